@@ -1,0 +1,154 @@
+//! A preallocated per-layer key/value cache for batch-1 decoding.
+//!
+//! Each layer owns K and V buffers of shape (kv_heads, capacity, head_dim); the first `len` rows
+//! are live. Appending writes in place, truncating only moves `len`, and [`KvCache::keep_rows`]
+//! compacts a verified tree to its committed path in place, so no step reallocates.
+
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("KV cache full: {needed} positions needed, capacity {capacity}")]
+    Full { needed: usize, capacity: usize },
+    #[error("invalid cache rows: {0}")]
+    BadRows(String),
+}
+
+pub struct KvCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    pub fn new(
+        layers: usize,
+        kv_heads: i64,
+        head_dim: i64,
+        capacity: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
+        let alloc = || Tensor::zeros([kv_heads, capacity as i64, head_dim], (kind, device));
+        Self {
+            keys: (0..layers).map(|_| alloc()).collect(),
+            values: (0..layers).map(|_| alloc()).collect(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Live positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Fails before a forward pass that would not fit, so nothing is half-applied.
+    pub fn ensure_room(&self, new_rows: usize) -> Result<(), CacheError> {
+        let needed = self.len + new_rows;
+        if needed > self.capacity {
+            return Err(CacheError::Full {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes `n` new rows of layer `layer` at `len..len+n` and returns the live K and V including
+    /// them, each (kv_heads, len+n, head_dim). `k`, `v`: (kv_heads, n, head_dim).
+    /// The cache length itself advances once per forward pass, in [`KvCache::advance`].
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+        let n = k.size()[1];
+        let start = self.len as i64;
+        self.keys[layer].narrow(1, start, n).copy_(k);
+        self.values[layer].narrow(1, start, n).copy_(v);
+        (
+            self.keys[layer].narrow(1, 0, start + n),
+            self.values[layer].narrow(1, 0, start + n),
+        )
+    }
+
+    /// Commits the rows written by the last forward pass.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Drops every position from `new_len` on.
+    pub fn truncate(&mut self, new_len: usize) {
+        self.len = self.len.min(new_len);
+    }
+
+    /// Keeps, of the rows from `start` on, only `keep` (offsets relative to `start`, strictly
+    /// increasing), moved down to `start..start+keep.len()` in order; then the cache ends there.
+    /// This is the compaction of a verified tree to its committed path.
+    pub fn keep_rows(&mut self, start: usize, keep: &[usize]) -> Result<(), CacheError> {
+        let tail = self.len.checked_sub(start).ok_or_else(|| {
+            CacheError::BadRows(format!("start {start} beyond cache length {}", self.len))
+        })?;
+        if keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&k| k >= tail) {
+            return Err(CacheError::BadRows(format!(
+                "rows {keep:?} not increasing within 0..{tail}"
+            )));
+        }
+        let is_prefix = keep.iter().enumerate().all(|(i, &k)| i == k);
+        if !is_prefix {
+            let device = self.keys[0].device();
+            let index: Vec<i64> = keep.iter().map(|&k| (start + k) as i64).collect();
+            let index = Tensor::from_slice(&index).to_device(device);
+            for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                // index_select copies first, so overlapping source and destination are safe.
+                let moved = buf.index_select(1, &index);
+                buf.narrow(1, start as i64, keep.len() as i64).copy_(&moved);
+            }
+        }
+        self.len = start + keep.len();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(cache: &KvCache, layer: usize) -> Vec<f32> {
+        let live = cache.keys[layer].narrow(1, 0, cache.len() as i64);
+        Vec::<f32>::try_from(live.select(0, 0).select(1, 0).contiguous()).unwrap()
+    }
+
+    fn append(cache: &mut KvCache, values: &[f32]) {
+        let n = values.len() as i64;
+        let k = Tensor::from_slice(values)
+            .view([1, n, 1])
+            .expand([2, n, 3], false)
+            .contiguous();
+        for layer in 0..2 {
+            cache.write(layer, &k, &k);
+        }
+        cache.advance(values.len());
+    }
+
+    #[test]
+    fn append_truncate_and_keep_rows() {
+        let mut cache = KvCache::new(2, 2, 3, 16, Kind::Float, Device::Cpu);
+        append(&mut cache, &[0., 1., 2.]);
+        append(&mut cache, &[10., 11., 12., 13., 14.]);
+        assert_eq!(rows(&cache, 1), vec![0., 1., 2., 10., 11., 12., 13., 14.]);
+        cache.keep_rows(3, &[0, 2, 4]).unwrap();
+        assert_eq!(rows(&cache, 0), vec![0., 1., 2., 10., 12., 14.]);
+        cache.truncate(4);
+        assert_eq!(rows(&cache, 0), vec![0., 1., 2., 10.]);
+        assert!(cache.keep_rows(2, &[1, 0]).is_err());
+        assert!(cache.ensure_room(13).is_err());
+        assert!(cache.ensure_room(12).is_ok());
+    }
+}

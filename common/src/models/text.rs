@@ -1,0 +1,508 @@
+//! The language model of both families: a Qwen2 (Qwen2.5-VL: q/k/v bias) or Qwen3 (Qwen3-VL:
+//! per-head q/k RMSNorm) decoder with GQA, SwiGLU and multimodal rotary positions (M-RoPE), run
+//! over a preallocated KV cache with explicit positions and an optional additive mask.
+
+use tch::{Device, Kind, Tensor};
+
+use super::layers::{apply_rotary, causal_mask, inverse_frequencies, Activation, Linear, RmsNorm};
+use super::ModelError;
+use crate::kv_cache::KvCache;
+use crate::weights::{Checkpoint, WeightsError};
+
+/// How M-RoPE assigns the rotary frequency pairs to the temporal, height and width axes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MropeLayout {
+    /// Qwen2/2.5-VL: contiguous sections [t, h, w] of the frequency pairs.
+    Sectioned(Vec<usize>),
+    /// Qwen3-VL: pairs interleaved t, h, w, t, h, w… up to 3·section[axis], the rest temporal.
+    Interleaved(Vec<usize>),
+}
+
+impl MropeLayout {
+    /// For each of the head_dim/2 frequency pairs, the position axis (0 = t, 1 = h, 2 = w) it reads.
+    fn axis_per_pair(&self, pairs: usize) -> Vec<i64> {
+        match self {
+            Self::Sectioned(sections) => sections
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &len)| std::iter::repeat_n((i % 3) as i64, len))
+                .chain(std::iter::repeat(0))
+                .take(pairs)
+                .collect(),
+            Self::Interleaved(sections) => (0..pairs)
+                .map(|j| {
+                    let axis = j % 3;
+                    if axis > 0 && j < sections.get(axis).copied().unwrap_or(0) * 3 {
+                        axis as i64
+                    } else {
+                        0
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Hyper-parameters of the language model, read from `config.json` by the family loaders.
+#[derive(Clone, Debug)]
+pub struct TextConfig {
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_layers: usize,
+    pub num_heads: i64,
+    pub num_kv_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub mrope: MropeLayout,
+    pub max_position_embeddings: usize,
+    pub activation: Activation,
+    pub tie_word_embeddings: bool,
+    /// Qwen2: bias on q/k/v. Qwen3: `attention_bias` (false in released checkpoints).
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// Qwen3: RMSNorm over each head of q and k before the rotary embedding.
+    pub qk_norm: bool,
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    activation: Activation,
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// Image features spliced into one forward pass: the merged patch embeddings that replace the
+/// image placeholder tokens and, for Qwen3-VL, the DeepStack features added after the first layers.
+pub struct VisionEmbeds {
+    /// (image_tokens, hidden)
+    pub embeds: Tensor,
+    /// One (image_tokens, hidden) tensor per DeepStack layer, added to the output of layer i.
+    pub deepstack: Vec<Tensor>,
+}
+
+/// Which rows of the final hidden state go through the LM head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    All,
+    Last,
+    None,
+}
+
+/// One forward pass over `n` new positions.
+pub struct StepInput<'a> {
+    /// (n,) int64 token ids.
+    pub token_ids: &'a Tensor,
+    /// (3, n) int64 M-RoPE positions (t, h, w).
+    pub positions: &'a Tensor,
+    /// Additive mask (n, cache_len + n) in the model dtype; `None` means causal.
+    pub mask: Option<&'a Tensor>,
+    /// Image features for the image placeholder tokens among `token_ids` (prefill only).
+    pub vision: Option<&'a VisionEmbeds>,
+    /// Decoder layers whose outputs to return (output of layer i = HF `hidden_states[i+1]`).
+    pub taps: &'a [usize],
+    pub logits: LogitRows,
+}
+
+pub struct StepOutput {
+    /// (rows, vocab) in the model dtype, rows per [`LogitRows`].
+    pub logits: Option<Tensor>,
+    /// One (n, hidden) tensor per requested tap, in request order.
+    pub taps: Vec<Tensor>,
+}
+
+pub struct TextModel {
+    pub config: TextConfig,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    inv_freq: Tensor,
+    axis_per_pair: Tensor,
+    image_token_id: i64,
+    deepstack_enabled: bool,
+}
+
+impl TextModel {
+    /// `prefix` is the 5.x name of the language model (`model.language_model`).
+    pub fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        config: TextConfig,
+        image_token_id: i64,
+    ) -> Result<Self, WeightsError> {
+        let c = &config;
+        let embed_tokens = ckpt.take(
+            &format!("{prefix}.embed_tokens.weight"),
+            &[c.vocab_size, c.hidden_size],
+        )?;
+        let layers = (0..c.num_layers)
+            .map(|i| DecoderLayer::load(ckpt, &format!("{prefix}.layers.{i}"), c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = RmsNorm::load(
+            ckpt,
+            &format!("{prefix}.norm"),
+            c.hidden_size,
+            c.rms_norm_eps,
+        )?;
+        let lm_head = if ckpt.contains("lm_head.weight") {
+            Linear::load(ckpt, "lm_head", c.hidden_size, c.vocab_size, false)?
+        } else if c.tie_word_embeddings {
+            Linear::from_weight(embed_tokens.shallow_clone())
+        } else {
+            return Err(WeightsError::Missing {
+                name: "lm_head.weight".into(),
+                alternatives: vec![],
+            });
+        };
+        let device = ckpt.device();
+        let inv_freq = inverse_frequencies(c.rope_theta, c.head_dim, device);
+        let axes = c.mrope.axis_per_pair((c.head_dim / 2) as usize);
+        let axis_per_pair = Tensor::from_slice(&axes).to_device(device);
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            axis_per_pair,
+            image_token_id,
+            deepstack_enabled: true,
+            config,
+        })
+    }
+
+    /// The input embedding matrix (vocab, hidden).
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    /// The LM head matrix (vocab, hidden).
+    pub fn lm_head(&self) -> &Tensor {
+        self.lm_head.weight()
+    }
+
+    /// Ablation switch for tests that prove the parity checks can see DeepStack.
+    pub fn set_deepstack_enabled(&mut self, enabled: bool) {
+        self.deepstack_enabled = enabled;
+    }
+
+    pub fn new_cache(&self, capacity: usize, kind: Kind, device: Device) -> KvCache {
+        let c = &self.config;
+        KvCache::new(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            capacity,
+            kind,
+            device,
+        )
+    }
+
+    pub fn forward(
+        &self,
+        input: &StepInput,
+        cache: &mut KvCache,
+    ) -> Result<StepOutput, ModelError> {
+        let n = input.token_ids.size()[0];
+        check_step_shapes(input, n, cache.len() as i64, self.config.num_layers)?;
+        cache.ensure_room(n as usize)?;
+        let mut hidden = self.embed_tokens.index_select(0, input.token_ids);
+        let image_rows = match input.vision {
+            Some(vision) => Some(self.splice_images(&mut hidden, input.token_ids, vision)?),
+            None => None,
+        };
+        let (cos, sin) = self.rotary(input.positions, hidden.kind());
+        let past = cache.len() as i64;
+        let default_mask = (input.mask.is_none() && n > 1 && past > 0)
+            .then(|| causal_mask(past, n, hidden.kind(), hidden.device()));
+        let mask = input.mask.or(default_mask.as_ref());
+        let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
+        let last_layer = self.layers.len() - 1;
+        for (i, layer) in self.layers.iter().enumerate() {
+            hidden = layer.forward(&hidden, &cos, &sin, mask, i, cache);
+            // HF records hidden_states[i+1] before the DeepStack injection; the last one is
+            // replaced by the final-norm output (see below).
+            if i != last_layer {
+                record_taps(&mut taps, input.taps, i, &hidden);
+            }
+            if let (Some(vision), Some(rows)) = (input.vision, image_rows.as_ref()) {
+                if self.deepstack_enabled && i < vision.deepstack.len() {
+                    hidden = hidden.index_add(0, rows, &vision.deepstack[i].to_kind(hidden.kind()));
+                }
+            }
+        }
+        cache.advance(n as usize);
+        let normed = self.norm.forward(&hidden);
+        record_taps(&mut taps, input.taps, last_layer, &normed);
+        let logits = match input.logits {
+            LogitRows::All => Some(self.lm_head.forward(&normed)),
+            LogitRows::Last => Some(self.lm_head.forward(&normed.narrow(0, n - 1, 1))),
+            LogitRows::None => None,
+        };
+        let taps = taps
+            .into_iter()
+            .map(|t| t.expect("every tap index was validated"))
+            .collect();
+        Ok(StepOutput { logits, taps })
+    }
+
+    /// Replaces the image placeholder rows of `hidden` with the image features, in order; returns
+    /// the indices of those rows.
+    fn splice_images(
+        &self,
+        hidden: &mut Tensor,
+        ids: &Tensor,
+        vision: &VisionEmbeds,
+    ) -> Result<Tensor, ModelError> {
+        let rows = ids.eq(self.image_token_id).nonzero().squeeze_dim(1);
+        let expected = vision.embeds.size()[0];
+        if rows.size()[0] != expected {
+            return Err(ModelError::Input(format!(
+                "{} image placeholder tokens but {expected} image features",
+                rows.size()[0]
+            )));
+        }
+        *hidden = hidden.index_copy(0, &rows, &vision.embeds.to_kind(hidden.kind()));
+        Ok(rows)
+    }
+
+    /// cos and sin (n, head_dim) for M-RoPE positions (3, n).
+    fn rotary(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq; // (3, n, hd/2)
+        let n = positions.size()[1];
+        let pairs = self.inv_freq.size()[0];
+        let axis = self
+            .axis_per_pair
+            .view([1, 1, pairs])
+            .expand([1, n, pairs], false);
+        let chosen = freqs.gather(0, &axis, false).squeeze_dim(0); // (n, hd/2)
+        let angles = Tensor::cat(&[&chosen, &chosen], -1);
+        (angles.cos().to_kind(kind), angles.sin().to_kind(kind))
+    }
+}
+
+fn record_taps(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, hidden: &Tensor) {
+    for (slot, &tap) in taps.iter_mut().zip(wanted) {
+        if tap == layer {
+            *slot = Some(hidden.shallow_clone());
+        }
+    }
+}
+
+fn check_step_shapes(
+    input: &StepInput,
+    n: i64,
+    past: i64,
+    layers: usize,
+) -> Result<(), ModelError> {
+    if n == 0 {
+        return Err(ModelError::Input(
+            "a forward pass needs at least one token".into(),
+        ));
+    }
+    if input.positions.size() != [3, n] {
+        return Err(ModelError::Input(format!(
+            "positions {:?}, expected [3, {n}]",
+            input.positions.size()
+        )));
+    }
+    if let Some(mask) = input.mask {
+        if mask.size() != [n, past + n] {
+            return Err(ModelError::Input(format!(
+                "mask {:?}, expected [{n}, {}]",
+                mask.size(),
+                past + n
+            )));
+        }
+    }
+    if let Some(&bad) = input.taps.iter().find(|&&t| t >= layers) {
+        return Err(ModelError::Input(format!(
+            "tap layer {bad} out of range (model has {layers} layers)"
+        )));
+    }
+    Ok(())
+}
+
+impl DecoderLayer {
+    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &TextConfig) -> Result<Self, WeightsError> {
+        Ok(Self {
+            input_layernorm: RmsNorm::load(
+                ckpt,
+                &format!("{prefix}.input_layernorm"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )?,
+            attn: Attention::load(ckpt, &format!("{prefix}.self_attn"), c)?,
+            post_attention_layernorm: RmsNorm::load(
+                ckpt,
+                &format!("{prefix}.post_attention_layernorm"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )?,
+            mlp: Mlp::load(ckpt, &format!("{prefix}.mlp"), c)?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        layer: usize,
+        cache: &mut KvCache,
+    ) -> Tensor {
+        let h = x + self.attn.forward(
+            &self.input_layernorm.forward(x),
+            cos,
+            sin,
+            mask,
+            layer,
+            cache,
+        );
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
+    }
+}
+
+impl Attention {
+    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &TextConfig) -> Result<Self, WeightsError> {
+        let q_dim = c.num_heads * c.head_dim;
+        let kv_dim = c.num_kv_heads * c.head_dim;
+        let proj = |ckpt: &mut Checkpoint, name: &str, i: i64, o: i64, bias: bool| {
+            Linear::load(ckpt, &format!("{prefix}.{name}"), i, o, bias)
+        };
+        let norm = |ckpt: &mut Checkpoint, name: &str| {
+            RmsNorm::load(
+                ckpt,
+                &format!("{prefix}.{name}"),
+                c.head_dim,
+                c.rms_norm_eps,
+            )
+        };
+        Ok(Self {
+            q_proj: proj(ckpt, "q_proj", c.hidden_size, q_dim, c.qkv_bias)?,
+            k_proj: proj(ckpt, "k_proj", c.hidden_size, kv_dim, c.qkv_bias)?,
+            v_proj: proj(ckpt, "v_proj", c.hidden_size, kv_dim, c.qkv_bias)?,
+            o_proj: proj(ckpt, "o_proj", q_dim, c.hidden_size, c.o_bias)?,
+            q_norm: if c.qk_norm {
+                Some(norm(ckpt, "q_norm")?)
+            } else {
+                None
+            },
+            k_norm: if c.qk_norm {
+                Some(norm(ckpt, "k_norm")?)
+            } else {
+                None
+            },
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        })
+    }
+
+    /// x: (n, hidden) → (n, hidden). New K/V rows go into the cache at its current length.
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        layer: usize,
+        cache: &mut KvCache,
+    ) -> Tensor {
+        let n = x.size()[0];
+        let heads = |t: Tensor, count: i64, norm: &Option<RmsNorm>| {
+            let t = t.view([n, count, self.head_dim]);
+            let t = match norm {
+                Some(norm) => norm.forward(&t),
+                None => t,
+            };
+            t.transpose(0, 1) // (count, n, head_dim)
+        };
+        let q = heads(self.q_proj.forward(x), self.num_heads, &self.q_norm);
+        let k = heads(self.k_proj.forward(x), self.num_kv_heads, &self.k_norm);
+        let v = heads(self.v_proj.forward(x), self.num_kv_heads, &None);
+        let (cos, sin) = (cos.unsqueeze(0), sin.unsqueeze(0));
+        let q = apply_rotary(&q, &cos, &sin);
+        let k = apply_rotary(&k, &cos, &sin);
+        let (keys, values) = cache.write(layer, &k, &v);
+        let causal = mask.is_none() && n > 1;
+        let out = Tensor::scaled_dot_product_attention(
+            &q.unsqueeze(0),
+            &keys.unsqueeze(0),
+            &values.unsqueeze(0),
+            mask.map(|m| m.view([1, 1, n, -1])),
+            0.0,
+            causal,
+            None,
+            self.num_heads != self.num_kv_heads,
+        ); // (1, heads, n, head_dim)
+        let out = out
+            .squeeze_dim(0)
+            .transpose(0, 1)
+            .contiguous()
+            .view([n, self.num_heads * self.head_dim]);
+        self.o_proj.forward(&out)
+    }
+}
+
+impl Mlp {
+    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &TextConfig) -> Result<Self, WeightsError> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Ok(Self {
+            gate_proj: Linear::load(ckpt, &format!("{prefix}.gate_proj"), h, i, false)?,
+            up_proj: Linear::load(ckpt, &format!("{prefix}.up_proj"), h, i, false)?,
+            down_proj: Linear::load(ckpt, &format!("{prefix}.down_proj"), i, h, false)?,
+            activation: c.activation,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let gate = self.activation.apply(&self.gate_proj.forward(x));
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mrope_axis_layouts() {
+        // Qwen2.5-VL: [2, 3, 3] → t t h h h w w w
+        assert_eq!(
+            MropeLayout::Sectioned(vec![2, 3, 3]).axis_per_pair(8),
+            vec![0, 0, 1, 1, 1, 2, 2, 2]
+        );
+        // Qwen3-VL interleaved: t h w t h w t h, h and w limited to 3·section.
+        assert_eq!(
+            MropeLayout::Interleaved(vec![2, 3, 3]).axis_per_pair(8),
+            vec![0, 1, 2, 0, 1, 2, 0, 1]
+        );
+        assert_eq!(
+            MropeLayout::Interleaved(vec![4, 2, 2]).axis_per_pair(8),
+            vec![0, 1, 2, 0, 1, 2, 0, 0]
+        );
+    }
+}

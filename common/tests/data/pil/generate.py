@@ -1,0 +1,40 @@
+"""Regenerates the Pillow reference images `pil_exactness.rs` checks against.
+
+Run with the project venv (Pillow 13, transformers 5.24): `.venv/bin/python generate.py`.
+"""
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from transformers.image_utils import load_image
+
+HERE = Path(__file__).parent
+# Target sizes covering each pass order Pillow picks: both axes down (horizontal first), rows
+# down while columns grow (vertical first), one axis only, both up.
+RESIZES = [(56, 28), (140, 28), (28, 84), (73, 20), (30, 41), (97, 60), (112, 39)]
+
+
+def source(width: int, height: int, seed: int) -> np.ndarray:
+    rng = np.random.RandomState(seed)
+    ramp = np.linspace(0, 255, width)[None, :, None] + 0.7 * np.linspace(0, 255, height)[:, None, None]
+    return ((ramp + rng.randint(0, 60, (height, width, 3))) % 256).astype(np.uint8)
+
+
+def main() -> None:
+    src = Image.fromarray(source(73, 41, seed=0))
+    src.save(HERE / "src.png")
+    for width, height in RESIZES:
+        src.resize((width, height), Image.BICUBIC).save(HERE / f"src_to_{width}x{height}.png")
+
+    # A progressive 4:2:0 JPEG stored sideways (EXIF orientation 6), and what HF's load_image
+    # (PIL decode + exif_transpose + convert RGB) makes of it.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    photo = HERE / "photo.jpg"
+    Image.fromarray(source(53, 37, seed=1)).save(photo, quality=85, subsampling=2, progressive=True, exif=exif)
+    load_image(str(photo)).save(HERE / "photo.pil.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh machine, idempotently (a second run takes seconds):
+#   1. a project-local virtualenv with torch 2.13.0 (libtorch for tch) and the Python reference
+#      (transformers), pinned;
+#   2. the tiny random-weight Qwen3-VL / Qwen2.5-VL models and the reference dumps, made by
+#      tests/reference/make_reference.py;
+#   3. a release build of the workspace.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$GLANCE_ROOT"
+
+PY_PINS=(torch==2.13.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 pillow==13.0.0 numpy==2.4.6)
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python - <<'PY' 2>/dev/null
+import torch, transformers, tokenizers, safetensors, PIL, numpy
+assert PIL.__version__ == "13.0.0" and numpy.__version__ == "2.4.6"
+assert torch.__version__.startswith("2.13.0") and transformers.__version__ == "5.24.0"
+PY
+then
+  echo "setup: installing ${PY_PINS[*]} (about 2.6 GB, a few minutes)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "${PY_PINS[@]}"
+fi
+
+# The reference fixtures are regenerated only when the script that makes them changes.
+stamp="$GLANCE_FIXTURES/.stamp"
+want="$(cat tests/reference/*.py tests/reference/templates/* 2>/dev/null | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: making the tiny reference models in $GLANCE_FIXTURES"
+  rm -rf "$GLANCE_FIXTURES"
+  .venv/bin/python tests/reference/make_reference.py --out "$GLANCE_FIXTURES"
+  echo "$want" > "$stamp"
+fi
+
+echo "setup: building (release)"
+cargo build --release --workspace --bins --quiet
+echo "setup: done"

@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Time HF transformers greedy generation on one reference case (the baseline the Rust side is
+compared against).
+
+Usage:
+  .venv/bin/python tests/reference/bench_hf.py --model DIR --case CASE_JSON \
+      [--max-new-tokens 64] [--runs 3] [--threads 2]
+
+Loads the model dir with transformers (float32, sdpa attention by default, PIL image processor), renders the
+case's messages through the chat template and the processor (image paths are relative to the case
+JSON's directory), warms up once, then per run times
+  t_1 = generate(max_new_tokens=1)   (prefill + first token)
+  t_N = generate(max_new_tokens=N)
+with greedy decoding and EOS disabled (exactly N new tokens). Prints one JSON line:
+  {"impl": "hf-transformers", "tokens_per_s_decode": (N-1)/(t_N - t_1), "prefill_ms": t_1*1000,
+   "new_tokens": N, ...}
+using the median t_1 and t_N over the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import hf_common  # noqa: E402  (sets HF offline env vars before transformers is imported)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+
+def model_inputs(inputs) -> dict:
+    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+    return {k: inputs[k] for k in keys if k in inputs}
+
+
+@torch.no_grad()
+def timed_generate(model, inputs, n: int) -> tuple[float, int]:
+    model.model.rope_deltas = None
+    t0 = time.perf_counter()
+    out = model.generate(**model_inputs(inputs), **hf_common.no_eos_generation_kwargs(model, n))
+    dt = time.perf_counter() - t0
+    return dt, out.shape[1] - inputs["input_ids"].shape[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path, help="HF model dir (e.g. .../tiny-qwen3-vl)")
+    ap.add_argument("--case", required=True, type=Path, help="reference case JSON (messages with image paths)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--attn",
+        default="sdpa",
+        choices=["sdpa", "eager"],
+        help="attention implementation (sdpa: transformers' default and fastest on CPU)",
+    )
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 2:
+        ap.error("--max-new-tokens must be >= 2 (decode rate uses N-1 tokens)")
+
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    case = json.loads(args.case.read_text())
+    model = hf_common.load_model(args.model, attn_implementation=args.attn)
+    processor = hf_common.load_processor(args.model)
+    _, inputs = hf_common.prepare_inputs(processor, case["messages"], args.case.parent)
+    n = args.max_new_tokens
+
+    # warm-up (also checks that EOS is really disabled)
+    _, got = timed_generate(model, inputs, n)
+    if got != n:
+        raise SystemExit(f"expected {n} new tokens, got {got}")
+    timed_generate(model, inputs, 1)
+
+    t1s, tns = [], []
+    for _ in range(args.runs):
+        t1, g1 = timed_generate(model, inputs, 1)
+        tn, gn = timed_generate(model, inputs, n)
+        assert g1 == 1 and gn == n, (g1, gn)
+        t1s.append(t1)
+        tns.append(tn)
+    t1, tn = statistics.median(t1s), statistics.median(tns)
+    decode = (n - 1) / (tn - t1) if tn > t1 else float("inf")
+    print(
+        json.dumps(
+            {
+                "impl": "hf-transformers",
+                "tokens_per_s_decode": round(decode, 2),
+                "prefill_ms": round(t1 * 1000.0, 3),
+                "new_tokens": n,
+                "prompt_tokens": int(inputs["input_ids"].shape[1]),
+                "runs": args.runs,
+                "threads": args.threads,
+                "t_first_ms_runs": [round(x * 1000.0, 3) for x in t1s],
+                "t_total_ms_runs": [round(x * 1000.0, 3) for x in tns],
+                "model": str(args.model),
+                "case": case.get("case", args.case.stem),
+                "attn_implementation": args.attn,
+                "dtype": "float32",
+                "transformers_version": transformers.__version__,
+                "torch_version": torch.__version__,
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+//! Benchmark: greedy decode tokens/s of our tch target vs Hugging Face transformers' `generate` on
+//! the same tiny checkpoint and prompt, measured side by side in one run and printed as a ratio.
+//! Alternates the two implementations so drift on a shared machine hits both alike.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use clap::Parser;
+use glance_common::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_common::input::{PromptBuilder, PromptOptions};
+use glance_common::models::TargetModel;
+use glance_tests::Case;
+
+#[derive(Parser)]
+#[command(about = "Greedy decode speed: glance (tch) vs HF transformers, same model and prompt")]
+struct Args {
+    /// Model directory (default: the tiny Qwen3-VL reference model).
+    #[arg(long, env = "GLANCE_BENCH_MODEL")]
+    model: Option<PathBuf>,
+    /// Reference case whose messages are the prompt.
+    #[arg(long, default_value = "one_image")]
+    case: String,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Measured rounds; each round times both implementations.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// CPU threads for both implementations.
+    #[arg(long, default_value_t = 2)]
+    threads: i32,
+}
+
+fn main() {
+    let args = Args::parse();
+    let model_dir = args.model.clone().unwrap_or_else(|| {
+        glance_tests::fixtures()
+            .expect("no fixtures: run scripts/setup.sh")
+            .join("tiny-qwen3-vl")
+    });
+    tch::set_num_threads(args.threads);
+    let case = Case::load(&model_dir, &args.case);
+    let prompts = PromptBuilder::from_model_dir(&model_dir, PromptOptions::default())
+        .expect("prompt builder");
+    let model = TargetModel::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
+    let prompt = prompts.build(&case.chat_messages()).expect("prompt");
+    let inputs = verifier_svc::engine::model_inputs(&prompt);
+    let params = GreedyParams {
+        max_new_tokens: args.max_new_tokens,
+        eos_token_ids: &[],
+        context_limit: 1 << 20,
+    };
+    let ours = || {
+        let generation =
+            greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).expect("generate");
+        let rate = (generation.tokens.len() - 1) as f64 / generation.decode_time.as_secs_f64();
+        (rate, generation.prefill_time.as_secs_f64() * 1e3)
+    };
+    ours(); // warm-up
+    let (mut glance_rates, mut hf_rates) = (Vec::new(), Vec::new());
+    for round in 0..args.rounds {
+        let (rate, prefill) = ours();
+        let hf = hf_rate(&model_dir, &args);
+        println!("round {round}: glance {rate:.1} tok/s (prefill {prefill:.1} ms) | hf-transformers {hf:.1} tok/s");
+        glance_rates.push(rate);
+        hf_rates.push(hf);
+    }
+    let (glance, hf) = (median(&mut glance_rates), median(&mut hf_rates));
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": model_dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+            "case": args.case,
+            "new_tokens": args.max_new_tokens,
+            "threads": args.threads,
+            "glance_tokens_per_s": glance,
+            "hf_tokens_per_s": hf,
+            "speedup_vs_hf": glance / hf,
+        })
+    );
+    println!(
+        "greedy decode: glance {glance:.1} tok/s vs hf-transformers {hf:.1} tok/s = {:.2}x",
+        glance / hf
+    );
+}
+
+/// Runs `tests/reference/bench_hf.py` once and reads its decode tokens/s.
+fn hf_rate(model_dir: &std::path::Path, args: &Args) -> f64 {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("reference/bench_hf.py");
+    let case_json = model_dir
+        .join("reference")
+        .join(format!("{}.json", args.case));
+    let output = Command::new("python")
+        .arg(&script)
+        .arg("--model")
+        .arg(model_dir)
+        .arg("--case")
+        .arg(&case_json)
+        .args([
+            "--max-new-tokens",
+            &args.max_new_tokens.to_string(),
+            "--runs",
+            "1",
+        ])
+        .args(["--threads", &args.threads.to_string()])
+        .output()
+        .expect("running bench_hf.py (is the project venv on PATH? source scripts/env.sh)");
+    assert!(
+        output.status.success(),
+        "bench_hf.py failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .expect("bench_hf.py printed no JSON");
+    let value: serde_json::Value = serde_json::from_str(line).expect("bench_hf.py JSON");
+    value["tokens_per_s_decode"]
+        .as_f64()
+        .expect("tokens_per_s_decode")
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}

@@ -1,0 +1,121 @@
+//! glance-tests: shared helpers for the integration tests in `tests/tests/` — locating the
+//! reference fixtures that `tests/reference/make_reference.py` writes (tiny Hugging Face models
+//! and what transformers computed on them), reading them, and starting services as processes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tch::Tensor;
+
+pub mod process;
+
+/// The two reference families and their model directories (5.x layout, then the sharded 4.x one).
+pub const FAMILIES: [(&str, &str); 2] = [
+    ("tiny-qwen3-vl", "tiny-qwen3-vl-legacy"),
+    ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-legacy"),
+];
+pub const CASES: [&str; 5] = [
+    "text_only",
+    "one_image",
+    "two_images",
+    "resized",
+    "multi_turn",
+];
+
+/// Where the reference fixtures live: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`.
+/// Returns None (the caller skips) only when they are absent and not required by
+/// `GLANCE_REQUIRE_FIXTURES=1`, which the test command sets.
+pub fn fixtures() -> Option<PathBuf> {
+    let root = std::env::var_os("GLANCE_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures"));
+    if root.join("tiny-qwen3-vl").is_dir() {
+        return Some(root);
+    }
+    if std::env::var("GLANCE_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+        panic!(
+            "reference fixtures missing at {} (run scripts/setup.sh)",
+            root.display()
+        );
+    }
+    eprintln!(
+        "skipping: no reference fixtures at {} (run scripts/setup.sh)",
+        root.display()
+    );
+    None
+}
+
+/// One reference case: what the HF processor produced and what the HF model computed.
+#[derive(Deserialize)]
+pub struct Case {
+    pub case: String,
+    pub messages: Vec<serde_json::Value>,
+    pub input_ids: Vec<i64>,
+    pub image_grid_thw: Vec<[i64; 3]>,
+    pub position_ids: Vec<Vec<i64>>,
+    pub rope_delta: i64,
+    pub greedy_tokens: Vec<i64>,
+    pub tap_layers: Vec<usize>,
+    #[serde(skip)]
+    pub tensors: HashMap<String, Tensor>,
+    #[serde(skip)]
+    pub dir: PathBuf,
+}
+
+impl Case {
+    pub fn load(model_dir: &Path, name: &str) -> Case {
+        let reference = model_dir.join("reference");
+        let text =
+            std::fs::read_to_string(reference.join(format!("{name}.json"))).expect("case json");
+        let mut case: Case = serde_json::from_str(&text).expect("case json parses");
+        let tensors = Tensor::read_safetensors(reference.join(format!("{name}.safetensors")))
+            .expect("case tensors");
+        case.tensors = tensors.into_iter().collect();
+        case.dir = reference;
+        case
+    }
+
+    pub fn tensor(&self, name: &str) -> &Tensor {
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("case {} has no tensor {name}", self.case))
+    }
+
+    /// The case's messages in the input pipeline's form, images read from the fixture files.
+    pub fn chat_messages(&self) -> Vec<glance_common::input::ChatMessage> {
+        use glance_common::input::{ChatMessage, ContentPart};
+        self.messages
+            .iter()
+            .map(|m| {
+                let parts = m["content"].as_array().cloned().unwrap_or_default();
+                let content = parts
+                    .iter()
+                    .map(|p| match p["type"].as_str() {
+                        Some("image") => {
+                            let path = self.dir.join(p["path"].as_str().expect("image path"));
+                            ContentPart::Image {
+                                data: std::fs::read(path).expect("image file"),
+                                mime_type: String::new(),
+                            }
+                        }
+                        _ => ContentPart::Text(p["text"].as_str().unwrap_or_default().to_string()),
+                    })
+                    .collect();
+                ChatMessage {
+                    role: m["role"].as_str().unwrap_or_default().to_string(),
+                    content,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Largest absolute difference of two tensors, in f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size(), "shapes differ");
+    (a.to_kind(tch::Kind::Double) - b.to_kind(tch::Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
+}

@@ -1,0 +1,88 @@
+//! Starts the service binaries as real processes on loopback ports for end-to-end tests.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A running service process, killed when dropped.
+pub struct ServiceProcess {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+}
+
+/// The release binaries next to the test executable (`target/release/deps/..` → `target/release`).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target profile directory");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: run `cargo build --release --workspace --bins`",
+        path.display()
+    );
+    path
+}
+
+impl ServiceProcess {
+    /// Starts `verifier-svc --model DIR --listen 127.0.0.1:0 ARGS…` and waits for its
+    /// "listening on ADDR" line.
+    pub fn verifier(model: &Path, args: &[&str]) -> Self {
+        let mut command = Command::new(binary("verifier-svc"));
+        command
+            .arg("--model")
+            .arg(model)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args);
+        Self::spawn(command)
+    }
+
+    fn spawn(mut command: Command) -> Self {
+        command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn");
+        let mut child = command.spawn().expect("starting the service");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("listening on ").nth(1) {
+                    let _ = tx.send(addr.trim().to_string());
+                }
+            }
+        });
+        match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(addr) => Self {
+                child,
+                url: format!("http://{addr}"),
+            },
+            Err(_) => {
+                let _ = child.kill();
+                panic!("service did not report its address within 120 s");
+            }
+        }
+    }
+
+    /// Process id, for tests that signal the service.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

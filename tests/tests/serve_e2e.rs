@@ -1,0 +1,431 @@
+//! verifier-svc as a process on a loopback port: the served tokens equal the in-process greedy
+//! decoder's, streaming equals unary, health and reflection answer, every bad input gets its status
+//! code while the server keeps serving, and a client that goes away stops its generation.
+
+use std::time::{Duration, Instant};
+
+use glance_common::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_common::input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
+use glance_common::models::TargetModel;
+use glance_proto::v1 as pb;
+use glance_proto::v1::generation_client::GenerationClient;
+use glance_tests::process::ServiceProcess;
+use glance_tests::{fixtures, Case};
+use tonic::transport::Channel;
+use tonic::Code;
+
+fn to_proto(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
+    messages
+        .iter()
+        .map(|m| pb::ChatMessage {
+            role: m.role.clone(),
+            content: m
+                .content
+                .iter()
+                .map(|part| pb::ContentPart {
+                    part: Some(match part {
+                        ContentPart::Text(t) => pb::content_part::Part::Text(t.clone()),
+                        ContentPart::Image { data, mime_type } => {
+                            pb::content_part::Part::Image(pb::Image {
+                                data: data.clone(),
+                                mime_type: mime_type.clone(),
+                            })
+                        }
+                    }),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn request(messages: Vec<pb::ChatMessage>, max_new_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        messages,
+        max_new_tokens,
+        stop: vec![],
+        decoding: None,
+    }
+}
+
+fn user(parts: Vec<pb::content_part::Part>) -> Vec<pb::ChatMessage> {
+    vec![pb::ChatMessage {
+        role: "user".into(),
+        content: parts
+            .into_iter()
+            .map(|p| pb::ContentPart { part: Some(p) })
+            .collect(),
+    }]
+}
+
+fn image(data: Vec<u8>, mime: &str) -> pb::content_part::Part {
+    pb::content_part::Part::Image(pb::Image {
+        data,
+        mime_type: mime.into(),
+    })
+}
+
+fn text(t: &str) -> pb::content_part::Part {
+    pb::content_part::Part::Text(t.into())
+}
+
+async fn connect(url: &str) -> GenerationClient<Channel> {
+    GenerationClient::connect(url.to_string())
+        .await
+        .expect("connect")
+}
+
+/// A PNG whose header claims `width`×`height` (valid CRCs, no pixel data worth decoding).
+fn png_claiming(width: u32, height: u32) -> Vec<u8> {
+    let mut header = width.to_be_bytes().to_vec();
+    header.extend(height.to_be_bytes());
+    header.extend([8, 2, 0, 0, 0]);
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    push_chunk(&mut png, b"IHDR", &header);
+    push_chunk(&mut png, b"IDAT", &[0x78, 0x9c, 0x03, 0x00]);
+    push_chunk(&mut png, b"IEND", &[]);
+    png
+}
+
+fn push_chunk(png: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+    png.extend((data.len() as u32).to_be_bytes());
+    let mut body = kind.to_vec();
+    body.extend(data);
+    png.extend(&body);
+    png.extend(crc32(&body).to_be_bytes());
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_tokens_equal_in_process_greedy() {
+    let Some(root) = fixtures() else { return };
+    for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl"] {
+        let dir = root.join(family);
+        let case = Case::load(&dir, "two_images");
+        let messages = case.chat_messages();
+        // In process: the same pipeline and decoder, with the model's own EOS.
+        let prompts = PromptBuilder::from_model_dir(&dir, PromptOptions::default()).unwrap();
+        let model = TargetModel::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+        let prompt = prompts.build(&messages).unwrap();
+        let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+        let params = GreedyParams {
+            max_new_tokens: 48,
+            eos_token_ids: &eos,
+            context_limit: 4096,
+        };
+        let inputs = verifier_svc::engine::model_inputs(&prompt);
+        let expected = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue)
+            .unwrap()
+            .tokens;
+
+        let server = ServiceProcess::verifier(&dir, &[]);
+        let mut client = connect(&server.url).await;
+        let unary = client
+            .generate(request(to_proto(&messages), 48))
+            .await
+            .unwrap()
+            .into_inner();
+        let served: Vec<i64> = unary.token_ids.iter().map(|&t| t as i64).collect();
+        assert_eq!(
+            served, expected,
+            "{family}: served tokens differ from in-process greedy"
+        );
+        let usage = unary.usage.unwrap();
+        assert_eq!(usage.prompt_tokens as usize, prompt.input_ids.len());
+        assert_eq!(usage.image_tokens as usize, prompt.image_token_count);
+        assert_eq!(usage.generated_tokens as usize, expected.len());
+
+        let mut stream = client
+            .generate_stream(request(to_proto(&messages), 48))
+            .await
+            .unwrap()
+            .into_inner();
+        let (mut streamed_text, mut streamed_ids, mut finish) = (String::new(), Vec::new(), 0);
+        while let Some(chunk) = stream.message().await.unwrap() {
+            streamed_text.push_str(&chunk.text);
+            streamed_ids.extend(chunk.token_ids);
+            if chunk.finish_reason != 0 {
+                finish = chunk.finish_reason;
+            }
+        }
+        assert_eq!(streamed_ids, unary.token_ids, "{family}: stream tokens");
+        assert_eq!(streamed_text, unary.text, "{family}: stream text");
+        assert_eq!(finish, unary.finish_reason);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reflection_and_model_info() {
+    let Some(root) = fixtures() else { return };
+    let server = ServiceProcess::verifier(&root.join("tiny-qwen3-vl"), &[]);
+    let channel = Channel::from_shared(server.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    for service in ["", "glance.v1.Generation"] {
+        let status = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(
+            status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "{service:?}"
+        );
+    }
+
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let mut reflection = ServerReflectionClient::new(channel.clone());
+    let ask = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut replies = reflection
+        .server_reflection_info(tokio_stream::iter([ask]))
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = replies
+        .message()
+        .await
+        .unwrap()
+        .expect("a reflection reply");
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("no service list")
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"glance.v1.Generation".to_string()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"grpc.health.v1.Health".to_string()),
+        "{names:?}"
+    );
+
+    let info = connect(&server.url)
+        .await
+        .model_info(pb::ModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.model_type, "qwen3_vl");
+    assert_eq!(info.vocab_size, 1024);
+    assert!(info.context_window > 0 && info.max_new_tokens_limit > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
+    let Some(root) = fixtures() else { return };
+    let dir = root.join("tiny-qwen3-vl");
+    let args = [
+        "--max-images",
+        "2",
+        "--context-window",
+        "256",
+        "--max-new-tokens-limit",
+        "64",
+    ];
+    let server = ServiceProcess::verifier(&dir, &args);
+    let mut client = connect(&server.url).await;
+    let good_png = std::fs::read(dir.join("reference/images/square.png")).unwrap();
+
+    let cases: Vec<(&str, pb::GenerateRequest, Code, &str)> = vec![
+        (
+            "corrupt image",
+            request(
+                user(vec![
+                    image(b"\x89PNG\r\n\x1a\nnot really".to_vec(), "image/png"),
+                    text("hi"),
+                ]),
+                8,
+            ),
+            Code::InvalidArgument,
+            "messages[0].content[0]",
+        ),
+        (
+            "unsupported mime",
+            request(
+                user(vec![image(good_png.clone(), "image/gif"), text("hi")]),
+                8,
+            ),
+            Code::InvalidArgument,
+            "mime",
+        ),
+        (
+            "too many pixels",
+            request(
+                user(vec![
+                    image(png_claiming(100_000, 100_000), "image/png"),
+                    text("hi"),
+                ]),
+                8,
+            ),
+            Code::InvalidArgument,
+            "pixels",
+        ),
+        (
+            "too many images",
+            request(
+                user(vec![
+                    image(good_png.clone(), ""),
+                    image(good_png.clone(), ""),
+                    image(good_png.clone(), ""),
+                    text("hi"),
+                ]),
+                8,
+            ),
+            Code::InvalidArgument,
+            "images",
+        ),
+        (
+            "prompt over context",
+            request(user(vec![text(&"many words here ".repeat(200))]), 8),
+            Code::InvalidArgument,
+            "context window",
+        ),
+        (
+            "zero max_new_tokens",
+            request(user(vec![text("hi")]), 0),
+            Code::InvalidArgument,
+            "max_new_tokens",
+        ),
+        (
+            "max_new_tokens over limit",
+            request(user(vec![text("hi")]), 65),
+            Code::InvalidArgument,
+            "max_new_tokens",
+        ),
+        (
+            "no messages",
+            request(vec![], 8),
+            Code::InvalidArgument,
+            "messages",
+        ),
+        (
+            "bad role",
+            request(
+                vec![pb::ChatMessage {
+                    role: "wizard".into(),
+                    content: vec![],
+                }],
+                8,
+            ),
+            Code::InvalidArgument,
+            "role",
+        ),
+    ];
+    for (what, req, code, needle) in cases {
+        let status = client.generate(req).await.expect_err(what);
+        assert_eq!(status.code(), code, "{what}: {}", status.message());
+        assert!(
+            status.message().contains(needle),
+            "{what}: message {:?} lacks {needle:?}",
+            status.message()
+        );
+    }
+    let ok = client
+        .generate(request(
+            user(vec![image(good_png, ""), text("Describe it.")]),
+            8,
+        ))
+        .await;
+    assert!(
+        ok.is_ok(),
+        "server stopped serving after bad inputs: {ok:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_resource_exhausted_at_once() {
+    let Some(root) = fixtures() else { return };
+    let server = ServiceProcess::verifier(&root.join("tiny-qwen3-vl"), &["--queue-size", "1"]);
+    let mut handles = Vec::new();
+    for _ in 0..6 {
+        let url = server.url.clone();
+        handles.push(tokio::spawn(async move {
+            let mut client = connect(&url).await;
+            client
+                .generate(request(user(vec![text("Tell a long story.")]), 2000))
+                .await
+                .map(|_| ())
+        }));
+    }
+    let mut exhausted = 0;
+    for handle in handles {
+        if let Err(status) = handle.await.unwrap() {
+            assert_eq!(
+                status.code(),
+                Code::ResourceExhausted,
+                "{}",
+                status.message()
+            );
+            exhausted += 1;
+        }
+    }
+    assert!(
+        exhausted >= 1,
+        "six concurrent requests against a queue of one were all admitted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnected_client_stops_its_generation() {
+    let Some(root) = fixtures() else { return };
+    let server = ServiceProcess::verifier(
+        &root.join("tiny-qwen3-vl"),
+        &["--max-new-tokens-limit", "4000"],
+    );
+    let mut client = connect(&server.url).await;
+    let mut long = request(user(vec![text("Tell a long story.")]), 4000);
+    long.decoding = Some(pb::DecodingOptions {
+        ignore_eos: true,
+        ..Default::default()
+    });
+    let mut stream = client.generate_stream(long).await.unwrap().into_inner();
+    // Measure this request's own pace, then walk away.
+    let started = Instant::now();
+    let mut received = 0usize;
+    while received < 50 {
+        let chunk = stream.message().await.unwrap().expect("stream ended early");
+        received += chunk.token_ids.len();
+    }
+    let per_token = started.elapsed() / received as u32;
+    drop(stream);
+    drop(client);
+    // Had it kept going, the next request would queue behind ~3950 more tokens.
+    let remaining = per_token * 3950;
+    let mut client = connect(&server.url).await;
+    let asked = Instant::now();
+    client
+        .generate(request(user(vec![text("hi")]), 1))
+        .await
+        .expect("next request");
+    let waited = asked.elapsed();
+    assert!(
+        waited < remaining / 4 + Duration::from_millis(500),
+        "the next request waited {waited:?}; the abandoned generation had ~{remaining:?} of work left"
+    );
+}

@@ -1,0 +1,48 @@
+//! Command-line and environment configuration of verifier-svc.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "verifier-svc",
+    version,
+    about = "glance verifier: serves a Qwen-VL target over gRPC"
+)]
+pub struct Args {
+    /// Hugging Face model directory (config.json, safetensors, tokenizer, preprocessor config).
+    #[arg(long, env = "GLANCE_MODEL")]
+    pub model: PathBuf,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, env = "GLANCE_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// `f32`, `bf16`, `f16`, or `auto` (f32 on CPU, bf16 on CUDA).
+    #[arg(long, env = "GLANCE_DTYPE", default_value = "auto")]
+    pub dtype: String,
+    /// Address of the public gRPC server.
+    #[arg(long, env = "GLANCE_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Largest `max_new_tokens` a request may ask for.
+    #[arg(long, env = "GLANCE_MAX_NEW_TOKENS_LIMIT", default_value_t = 4096)]
+    pub max_new_tokens_limit: u32,
+    /// Most images one request may carry.
+    #[arg(long, env = "GLANCE_MAX_IMAGES", default_value_t = 8)]
+    pub max_images: usize,
+    /// Override the checkpoint's minimum pixels per image.
+    #[arg(long, env = "GLANCE_MIN_PIXELS")]
+    pub min_pixels: Option<usize>,
+    /// Override the checkpoint's maximum pixels per image.
+    #[arg(long, env = "GLANCE_MAX_PIXELS")]
+    pub max_pixels: Option<usize>,
+    /// Cap on prompt + generated tokens (default: the model's max_position_embeddings).
+    #[arg(long, env = "GLANCE_CONTEXT_WINDOW")]
+    pub context_window: Option<usize>,
+    /// Requests that may wait for the engine; more are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "GLANCE_QUEUE_SIZE", default_value_t = 32)]
+    pub queue_size: usize,
+    /// libtorch intra-op threads (default: libtorch's choice).
+    #[arg(long, env = "GLANCE_THREADS")]
+    pub threads: Option<i32>,
+}

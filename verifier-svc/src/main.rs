@@ -1,0 +1,45 @@
+use clap::Parser;
+use verifier_svc::config::Args;
+use verifier_svc::server;
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args = Args::parse();
+    if let Err(e) = run(args).await {
+        eprintln!("verifier-svc: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> Result<(), server::StartupError> {
+    let started = std::time::Instant::now();
+    // Loading is blocking work (reading and converting weights).
+    let load_args = args.clone();
+    let loaded = tokio::task::spawn_blocking(move || server::load(&load_args))
+        .await
+        .map_err(|e| server::StartupError::Serve(e.to_string()))??;
+    let listener = server::bind(&args).await?;
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    tracing::info!(%addr, model = %args.model.display(), load_s = started.elapsed().as_secs_f64(), "serving");
+    // Scripts wait for this line on stdout.
+    println!("verifier-svc listening on {addr}");
+    server::serve(loaded, listener, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term.recv() => {},
+    }
+}

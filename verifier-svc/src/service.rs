@@ -1,0 +1,258 @@
+//! The public `glance.v1.Generation` service: validates requests, preprocesses them off the async
+//! runtime, admits them to the engine and relays its events as unary or streamed responses.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use glance_common::decode::FinishKind;
+use glance_common::input::{ChatMessage, ContentPart};
+use glance_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::engine::{EngineHandle, Event, Job, Summary};
+use crate::error::VerifierError;
+
+/// Limits a request must respect; advertised by ModelInfo.
+#[derive(Clone, Debug)]
+pub struct RequestLimits {
+    pub max_new_tokens: u32,
+    pub max_images: usize,
+    pub max_stop_strings: usize,
+    pub max_stop_len: usize,
+}
+
+pub struct GenerationService {
+    engine: EngineHandle,
+    limits: RequestLimits,
+    info: pb::ModelInfoResponse,
+}
+
+impl GenerationService {
+    pub fn new(engine: EngineHandle, limits: RequestLimits, info: pb::ModelInfoResponse) -> Self {
+        Self {
+            engine,
+            limits,
+            info,
+        }
+    }
+
+    /// Validates, preprocesses and queues a request; returns the engine's event receiver.
+    async fn admit(
+        &self,
+        request: pb::GenerateRequest,
+    ) -> Result<mpsc::Receiver<Event>, VerifierError> {
+        let ignore_eos = request.decoding.as_ref().is_some_and(|d| d.ignore_eos);
+        let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
+        let prompts = Arc::clone(&self.engine.prompts);
+        let prompt = tokio::task::spawn_blocking(move || prompts.build(&messages))
+            .await
+            .map_err(|e| VerifierError::Unavailable(format!("preprocessing failed: {e}")))??;
+        if prompt.input_ids.len() >= self.info.context_window as usize {
+            return Err(VerifierError::invalid(
+                "messages",
+                format!(
+                    "prompt is {} tokens, the context window is {}",
+                    prompt.input_ids.len(),
+                    self.info.context_window
+                ),
+            ));
+        }
+        let (events, receiver) = mpsc::channel(64);
+        self.engine.submit(Job {
+            prompt,
+            max_new_tokens,
+            stop,
+            ignore_eos,
+            events,
+        })?;
+        Ok(receiver)
+    }
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateResponse>, Status> {
+        let mut events = self.admit(request.into_inner()).await?;
+        let mut response = pb::GenerateResponse::default();
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Chunk { text, token_ids } => {
+                    response.text.push_str(&text);
+                    response.token_ids.extend(token_ids);
+                }
+                Event::Done(summary) => {
+                    response.finish_reason = finish_reason(&summary) as i32;
+                    response.usage = Some(usage(&summary));
+                    response.timings = Some(timings(&summary));
+                    return Ok(Response::new(response));
+                }
+                Event::Failed(e) => return Err(e.into()),
+            }
+        }
+        Err(VerifierError::Unavailable("engine ended the request without a result".into()).into())
+    }
+
+    type GenerateStreamStream = ChunkStream;
+
+    async fn generate_stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        let events = self.admit(request.into_inner()).await?;
+        // Dropping this stream (client gone) drops the receiver, which stops the engine's work.
+        let stream = ReceiverStream::new(events).map(|event| match event {
+            Event::Chunk { text, token_ids } => Ok(pb::GenerateStreamChunk {
+                text,
+                token_ids,
+                ..Default::default()
+            }),
+            Event::Done(summary) => Ok(pb::GenerateStreamChunk {
+                finish_reason: finish_reason(&summary) as i32,
+                usage: Some(usage(&summary)),
+                timings: Some(timings(&summary)),
+                ..Default::default()
+            }),
+            Event::Failed(e) => Err(Status::from(e)),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn model_info(
+        &self,
+        _: Request<pb::ModelInfoRequest>,
+    ) -> Result<Response<pb::ModelInfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+}
+
+/// Checks every field and converts the messages; nothing reaches the engine unless all hold.
+fn validate(
+    request: pb::GenerateRequest,
+    limits: &RequestLimits,
+) -> Result<(Vec<ChatMessage>, usize, Vec<String>), VerifierError> {
+    if request.max_new_tokens == 0 {
+        return Err(VerifierError::invalid(
+            "max_new_tokens",
+            "must be at least 1",
+        ));
+    }
+    if request.max_new_tokens > limits.max_new_tokens {
+        return Err(VerifierError::invalid(
+            "max_new_tokens",
+            format!(
+                "{} is over the server limit of {}",
+                request.max_new_tokens, limits.max_new_tokens
+            ),
+        ));
+    }
+    if request.stop.len() > limits.max_stop_strings {
+        return Err(VerifierError::invalid(
+            "stop",
+            format!("at most {} stop strings", limits.max_stop_strings),
+        ));
+    }
+    if let Some(i) = request
+        .stop
+        .iter()
+        .position(|s| s.is_empty() || s.len() > limits.max_stop_len)
+    {
+        return Err(VerifierError::invalid(
+            format!("stop[{i}]"),
+            format!("must be 1 to {} bytes", limits.max_stop_len),
+        ));
+    }
+    validate_mode(request.decoding.as_ref())?;
+    if request.messages.is_empty() {
+        return Err(VerifierError::invalid(
+            "messages",
+            "at least one message is required",
+        ));
+    }
+    let mut images = 0;
+    let mut messages = Vec::with_capacity(request.messages.len());
+    for (m, message) in request.messages.into_iter().enumerate() {
+        let mut content = Vec::with_capacity(message.content.len());
+        for (p, part) in message.content.into_iter().enumerate() {
+            let field = format!("messages[{m}].content[{p}]");
+            match part.part {
+                Some(pb::content_part::Part::Text(text)) => content.push(ContentPart::Text(text)),
+                Some(pb::content_part::Part::Image(image)) => {
+                    images += 1;
+                    if images > limits.max_images {
+                        return Err(VerifierError::invalid(
+                            field,
+                            format!("too many images: at most {} per request", limits.max_images),
+                        ));
+                    }
+                    content.push(ContentPart::Image {
+                        data: image.data,
+                        mime_type: image.mime_type,
+                    });
+                }
+                None => return Err(VerifierError::invalid(field, "empty content part")),
+            }
+        }
+        messages.push(ChatMessage {
+            role: message.role,
+            content,
+        });
+    }
+    Ok((messages, request.max_new_tokens as usize, request.stop))
+}
+
+fn validate_mode(options: Option<&pb::DecodingOptions>) -> Result<(), VerifierError> {
+    let mode = options.map(|o| o.mode).unwrap_or_default();
+    match pb::DecodingMode::try_from(mode) {
+        Ok(pb::DecodingMode::Unspecified | pb::DecodingMode::Autoregressive) => Ok(()),
+        Ok(other) => Err(VerifierError::invalid(
+            "decoding.mode",
+            format!(
+                "{} is not available on this server (no drafter configured)",
+                other.as_str_name()
+            ),
+        )),
+        Err(_) => Err(VerifierError::invalid(
+            "decoding.mode",
+            format!("unknown mode {mode}"),
+        )),
+    }
+}
+
+fn finish_reason(summary: &Summary) -> pb::FinishReason {
+    match summary.finish {
+        FinishKind::Eos => pb::FinishReason::Eos,
+        FinishKind::Length => pb::FinishReason::Length,
+        FinishKind::Stopped => pb::FinishReason::Stop,
+        FinishKind::Context => pb::FinishReason::Context,
+    }
+}
+
+fn usage(summary: &Summary) -> pb::Usage {
+    pb::Usage {
+        prompt_tokens: summary.prompt_tokens as u32,
+        image_tokens: summary.image_tokens as u32,
+        generated_tokens: summary.generated_tokens as u32,
+    }
+}
+
+fn timings(summary: &Summary) -> pb::Timings {
+    let after_first = summary.generated_tokens.saturating_sub(1) as f64;
+    let rate = if summary.decode_ms > 0.0 {
+        after_first / (summary.decode_ms / 1e3)
+    } else {
+        0.0
+    };
+    pb::Timings {
+        prefill_ms: summary.prefill_ms,
+        decode_ms: summary.decode_ms,
+        decode_tokens_per_second: rate,
+    }
+}
