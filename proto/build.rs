@@ -6,7 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?),
     };
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
-    let protos = ["glance/v1/generate.proto"];
+    let protos = ["glance/v1/generate.proto", "glance/v1/drafter.proto"];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -32,6 +32,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: making the tiny reference models in $GLANCE_FIXTURES"
   rm -rf "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_reference.py --out "$GLANCE_FIXTURES"
+  .venv/bin/python tests/reference/make_dflash_reference.py \
+    --target "$GLANCE_FIXTURES/tiny-qwen3-vl" --out "$GLANCE_FIXTURES/tiny-qwen3-vl-dflash"
   echo "$want" > "$stamp"
 fi
 

@@ -131,6 +131,17 @@ pub fn prefill(
     inputs: &ModelInputs,
     cache: &mut crate::kv_cache::KvCache,
 ) -> Result<Tensor, ModelError> {
+    prefill_with_taps(model, inputs, cache, &[]).map(|(logits, _)| logits)
+}
+
+/// Like [`prefill`], also returning the outputs of the `taps` decoder layers for every prompt
+/// position, concatenated: (prompt, taps·hidden); `None` when no tap is asked for.
+pub fn prefill_with_taps(
+    model: &TargetModel,
+    inputs: &ModelInputs,
+    cache: &mut crate::kv_cache::KvCache,
+    taps: &[usize],
+) -> Result<(Tensor, Option<Tensor>), ModelError> {
     let device = model.device();
     let vision = match &inputs.pixel_values {
         Some(pixels) if !inputs.image_grids.is_empty() => {
@@ -145,11 +156,12 @@ pub fn prefill(
         positions: &positions,
         mask: None,
         vision: vision.as_ref(),
-        taps: &[],
+        taps,
         logits: LogitRows::Last,
     };
     let out = model.forward(&step, cache)?;
-    Ok(out.logits.expect("logits were requested"))
+    let states = (!out.taps.is_empty()).then(|| Tensor::cat(&out.taps, -1));
+    Ok((out.logits.expect("logits were requested"), states))
 }
 
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).

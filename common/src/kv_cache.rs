@@ -132,7 +132,7 @@ mod tests {
             .expand([2, n, 3], false)
             .contiguous();
         for layer in 0..2 {
-            cache.write(layer, &k, &k);
+            let _ = cache.write(layer, &k, &k);
         }
         cache.advance(values.len());
     }

@@ -7,3 +7,4 @@ pub mod input;
 pub mod kv_cache;
 pub mod models;
 pub mod weights;
+pub mod wire;

@@ -170,6 +170,227 @@ fn legacy_names(name: &str) -> Vec<String> {
     }
 }
 
+/// Reads only `names` from a model directory (single or sharded safetensors), seeking to each
+/// tensor's bytes instead of loading whole files: the drafter needs two matrices of a target
+/// whose checkpoint may be many gigabytes. Names the checkpoint lacks are simply absent from the
+/// result (callers try alternative spellings). BF16, F16, F32 and F64 are converted to `kind` on
+/// `device`.
+pub fn read_named_tensors(
+    dir: &Path,
+    names: &[&str],
+    kind: Kind,
+    device: Device,
+) -> Result<HashMap<String, Tensor>, WeightsError> {
+    let mut found = HashMap::new();
+    for file in weight_files(dir)? {
+        let header = SafetensorsHeader::read(&file)?;
+        for &name in names {
+            if found.contains_key(name) {
+                continue;
+            }
+            if let Some(entry) = header.entry(name)? {
+                let tensor = header.read_tensor(&entry, None)?;
+                found.insert(name.to_string(), tensor.to_device(device).to_kind(kind));
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// A short, deterministic identity of a target model: FNV-1a (64-bit, hex) over its model_type,
+/// language-model hidden size, layer count and vocabulary size, and the values (as f32) of the
+/// first row of its input embedding. Cheap (reads one embedding row), independent of the storage
+/// dtype when the values are exactly representable, and the same for the 4.x and 5.x layouts.
+pub fn target_fingerprint(dir: &Path) -> Result<String, WeightsError> {
+    let config_path = dir.join("config.json");
+    let read_err = |reason: String| WeightsError::Read {
+        path: config_path.clone(),
+        reason,
+    };
+    let text = std::fs::read_to_string(&config_path).map_err(|e| read_err(e.to_string()))?;
+    let root: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| read_err(e.to_string()))?;
+    let section = root.get("text_config").unwrap_or(&root);
+    let field = |key: &str| section.get(key).or_else(|| root.get(key)).cloned();
+    let mut summary = String::new();
+    for key in ["hidden_size", "num_hidden_layers", "vocab_size"] {
+        let value = field(key).ok_or_else(|| read_err(format!("missing key {key:?}")))?;
+        summary.push_str(&format!("{key}={value};"));
+    }
+    let model_type = root
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let mut hash = fnv1a(
+        0xcbf2_9ce4_8422_2325,
+        format!("{model_type};{summary}").as_bytes(),
+    );
+    let row = first_embedding_row(dir)?;
+    let row_bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+    hash = fnv1a(hash, &row_bytes);
+    Ok(format!("{hash:016x}"))
+}
+
+/// 64-bit FNV-1a continued from `hash` (std's hashers are not guaranteed stable across releases).
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// Row 0 of the input embedding (5.x or 4.x name) as f32 values, read without the rest.
+fn first_embedding_row(dir: &Path) -> Result<Vec<f32>, WeightsError> {
+    const NAME: &str = "model.language_model.embed_tokens.weight";
+    let candidates: Vec<String> = std::iter::once(NAME.to_string())
+        .chain(legacy_names(NAME))
+        .collect();
+    for file in weight_files(dir)? {
+        let header = SafetensorsHeader::read(&file)?;
+        for name in &candidates {
+            if let Some(entry) = header.entry(name)? {
+                let row = header.read_tensor(&entry, Some(1))?;
+                return Vec::<f32>::try_from(row.to_kind(Kind::Float).flatten(0, -1)).map_err(
+                    |e| WeightsError::Read {
+                        path: file.clone(),
+                        reason: e.to_string(),
+                    },
+                );
+            }
+        }
+    }
+    Err(WeightsError::Missing {
+        name: NAME.into(),
+        alternatives: legacy_names(NAME),
+    })
+}
+
+/// The JSON header of one safetensors file: where each tensor's bytes are.
+struct SafetensorsHeader {
+    path: PathBuf,
+    data_start: u64,
+    file_len: u64,
+    entries: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One tensor's dtype, shape and absolute byte range in its file.
+struct SafetensorsEntry {
+    name: String,
+    kind: Kind,
+    shape: Vec<i64>,
+    begin: u64,
+    end: u64,
+}
+
+impl SafetensorsHeader {
+    /// Headers larger than this are refused rather than allocated (real ones are a few MB).
+    const MAX_HEADER: u64 = 256 << 20;
+
+    fn read(path: &Path) -> Result<Self, WeightsError> {
+        use std::io::Read;
+        let err = |reason: String| WeightsError::Read {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+        let file_len = file.metadata().map_err(|e| err(e.to_string()))?.len();
+        let mut len_bytes = [0u8; 8];
+        file.read_exact(&mut len_bytes)
+            .map_err(|e| err(e.to_string()))?;
+        let header_len = u64::from_le_bytes(len_bytes);
+        if header_len > Self::MAX_HEADER || 8 + header_len > file_len {
+            return Err(err(format!("implausible header length {header_len}")));
+        }
+        let mut json = vec![0u8; header_len as usize];
+        file.read_exact(&mut json).map_err(|e| err(e.to_string()))?;
+        let entries = serde_json::from_slice(&json).map_err(|e| err(e.to_string()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            data_start: 8 + header_len,
+            file_len,
+            entries,
+        })
+    }
+
+    /// The entry for `name`, `None` when this file does not hold it.
+    fn entry(&self, name: &str) -> Result<Option<SafetensorsEntry>, WeightsError> {
+        let Some(value) = self.entries.get(name) else {
+            return Ok(None);
+        };
+        let err = |reason: &str| WeightsError::Read {
+            path: self.path.clone(),
+            reason: format!("tensor {name}: {reason}"),
+        };
+        let kind = match value.get("dtype").and_then(|d| d.as_str()) {
+            Some("F32") => Kind::Float,
+            Some("BF16") => Kind::BFloat16,
+            Some("F16") => Kind::Half,
+            Some("F64") => Kind::Double,
+            other => return Err(err(&format!("unsupported dtype {other:?}"))),
+        };
+        let numbers = |key: &str| -> Option<Vec<u64>> {
+            value
+                .get(key)?
+                .as_array()?
+                .iter()
+                .map(|v| v.as_u64())
+                .collect()
+        };
+        let shape = numbers("shape").ok_or_else(|| err("bad shape"))?;
+        let offsets = numbers("data_offsets").ok_or_else(|| err("bad data_offsets"))?;
+        let [begin, end] = offsets[..] else {
+            return Err(err("data_offsets must have two entries"));
+        };
+        let (begin, end) = (self.data_start + begin, self.data_start + end);
+        let elements = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| err("shape overflows"))?;
+        let expected = elements.checked_mul(kind.elt_size_in_bytes() as u64);
+        if begin > end || end > self.file_len || expected != Some(end - begin) {
+            return Err(err("byte range does not match shape and dtype"));
+        }
+        Ok(Some(SafetensorsEntry {
+            name: name.to_string(),
+            kind,
+            shape: shape.iter().map(|&d| d as i64).collect(),
+            begin,
+            end,
+        }))
+    }
+
+    /// Reads the tensor, or only its first `rows` rows (along dim 0), on the CPU.
+    fn read_tensor(
+        &self,
+        entry: &SafetensorsEntry,
+        rows: Option<i64>,
+    ) -> Result<Tensor, WeightsError> {
+        use std::io::{Read, Seek, SeekFrom};
+        let err = |reason: String| WeightsError::Read {
+            path: self.path.clone(),
+            reason: format!("tensor {}: {reason}", entry.name),
+        };
+        let mut shape = entry.shape.clone();
+        let mut len = entry.end - entry.begin;
+        if let (Some(rows), Some(first)) = (rows, shape.first_mut()) {
+            let kept = rows.min(*first).max(0);
+            if *first > 0 {
+                len = len / *first as u64 * kept as u64;
+            }
+            *first = kept;
+        }
+        let mut file = std::fs::File::open(&self.path).map_err(|e| err(e.to_string()))?;
+        file.seek(SeekFrom::Start(entry.begin))
+            .map_err(|e| err(e.to_string()))?;
+        let mut bytes = vec![0u8; len as usize];
+        file.read_exact(&mut bytes)
+            .map_err(|e| err(e.to_string()))?;
+        // safetensors stores little-endian data, which is the host order on every target we build.
+        Tensor::f_from_data_size(&bytes, &shape, entry.kind).map_err(|e| err(e.to_string()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

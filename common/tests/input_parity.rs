@@ -23,7 +23,8 @@ fn fixture_root() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("GLANCE_FIXTURES") {
         return Some(PathBuf::from(dir));
     }
-    let default = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let default = manifest.parent().unwrap_or(manifest).join("tests/fixtures");
     if default.is_dir() {
         return Some(default);
     }
@@ -208,6 +209,10 @@ fn check_images(builder: &PromptBuilder, case: &Case, prompt: &Prompt) -> Result
         offset += image.pixel_values.len();
         let tolerance = pixel_tolerance(builder, case, k)?;
         let diff = max_abs_diff(&image.pixel_values, rows);
+        println!(
+            "{} image {k}: pixel_values max abs difference {diff:e}",
+            case_name(case)
+        );
         ensure!(
             diff <= tolerance,
             "image {k}: pixel_values differ by {diff} (> {tolerance})"

@@ -57,3 +57,13 @@ fn jpeg_decodes_like_hf_load_image() {
         "photo.jpg: decoded pixels differ from PIL"
     );
 }
+
+#[test]
+fn truncated_jpeg_is_refused_like_pil() {
+    let bytes = std::fs::read(data_dir().join("photo.jpg")).expect("photo.jpg");
+    for cut in [2, bytes.len() / 2] {
+        let err = decode_image(&bytes[..bytes.len() - cut], "image/jpeg")
+            .expect_err("PIL raises 'image file is truncated'");
+        assert!(err.to_string().contains("truncated"), "{err}");
+    }
+}

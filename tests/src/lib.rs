@@ -9,6 +9,7 @@ use serde::Deserialize;
 use tch::Tensor;
 
 pub mod process;
+pub mod suite;
 
 /// The two reference families and their model directories (5.x layout, then the sharded 4.x one).
 pub const FAMILIES: [(&str, &str); 2] = [

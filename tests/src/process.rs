@@ -42,6 +42,33 @@ impl ServiceProcess {
         Self::spawn(command)
     }
 
+    /// Starts `drafter-svc serve --listen 127.0.0.1:0 ARGS…`.
+    pub fn drafter(args: &[&str]) -> Self {
+        let mut command = Command::new(binary("drafter-svc"));
+        command
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args);
+        Self::spawn(command)
+    }
+
+    /// Starts a drafter on a fixed address (to restart one where a verifier expects it).
+    pub fn drafter_at(addr: &str, args: &[&str]) -> Self {
+        let mut command = Command::new(binary("drafter-svc"));
+        command.args(["serve", "--listen", addr]).args(args);
+        Self::spawn(command)
+    }
+
+    /// `127.0.0.1:PORT` of the service.
+    pub fn addr(&self) -> &str {
+        self.url.trim_start_matches("http://")
+    }
+
+    /// Kills the process at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     fn spawn(mut command: Command) -> Self {
         command
             .stdout(Stdio::piped())

@@ -45,4 +45,36 @@ pub struct Args {
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long, env = "GLANCE_THREADS")]
     pub threads: Option<i32>,
+    /// drafter-svc address (e.g. http://127.0.0.1:50061). Without it only autoregressive and
+    /// prompt-lookup decoding are served.
+    #[arg(long, env = "GLANCE_DRAFTER_URL")]
+    pub drafter: Option<String>,
+    /// Per-round deadline for the drafter's tree; a later tree is not waited for and the round
+    /// is decoded as a greedy step.
+    #[arg(long, env = "GLANCE_DRAFTER_DEADLINE_MS", default_value_t = 1000)]
+    pub drafter_deadline_ms: u64,
+    /// Mode for requests that name none (default: speculative-tree with a drafter, else
+    /// autoregressive).
+    #[arg(long, env = "GLANCE_DEFAULT_MODE", value_enum)]
+    pub default_mode: Option<ModeArg>,
+    /// Default tree budget (nodes verified per round, root excluded).
+    #[arg(long, env = "GLANCE_TREE_BUDGET", default_value_t = 31)]
+    pub tree_budget: usize,
+    /// Default candidates per block offset.
+    #[arg(long, env = "GLANCE_BRANCH_K", default_value_t = 8)]
+    pub branch_k: usize,
+    /// Largest tree budget a request may ask for.
+    #[arg(long, env = "GLANCE_MAX_TREE_BUDGET", default_value_t = 256)]
+    pub max_tree_budget: usize,
+    /// Block size of the in-process prompt-lookup drafter (it drafts up to this minus one).
+    #[arg(long, env = "GLANCE_PROMPT_LOOKUP_BLOCK", default_value_t = 16)]
+    pub prompt_lookup_block: usize,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum ModeArg {
+    Autoregressive,
+    SpeculativeTree,
+    SpeculativeChain,
+    PromptLookup,
 }

@@ -12,6 +12,9 @@ pub enum VerifierError {
     /// Images, chat template or tokenization refused the input.
     #[error(transparent)]
     Input(#[from] InputError),
+    /// The request needs something this server is not set up for (e.g. a drafter).
+    #[error("{0}")]
+    NoDrafter(String),
     /// Too many requests are queued or running.
     #[error("server busy: {0}")]
     Busy(String),
@@ -53,6 +56,7 @@ impl From<VerifierError> for Status {
             VerifierError::InvalidArgument { .. } | VerifierError::Input(_) => {
                 Status::invalid_argument(message)
             }
+            VerifierError::NoDrafter(_) => Status::failed_precondition(message),
             VerifierError::Busy(_) => Status::resource_exhausted(message),
             VerifierError::Cancelled => Status::cancelled(message),
             VerifierError::Unavailable(_) => Status::unavailable(message),

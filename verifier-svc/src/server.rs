@@ -13,9 +13,15 @@ use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::config::Args;
-use crate::engine::{self, EngineLimits};
-use crate::service::{GenerationService, RequestLimits};
+use std::time::Duration;
+
+use drafter_svc::engines::PromptLookupEngine;
+use glance_common::weights::target_fingerprint;
+
+use crate::config::{Args, ModeArg};
+use crate::drafter_client::{DrafterError, RemoteDrafter, TargetDescription};
+use crate::engine::{self, Drafting, EngineLimits};
+use crate::service::{DecodingDefaults, GenerationService, RequestLimits};
 
 /// Why the service could not start; printed and turned into a non-zero exit.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +36,8 @@ pub enum StartupError {
     Model { dir: String, reason: String },
     #[error("cannot listen on {addr}: {reason}")]
     Listen { addr: String, reason: String },
+    #[error("--drafter: {0}")]
+    Drafter(String),
     #[error("server failed: {0}")]
     Serve(String),
 }
@@ -80,13 +88,20 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         .context_window
         .unwrap_or(model.text_config().max_position_embeddings)
         .min(model.text_config().max_position_embeddings);
-    let info = model_info(args, &model, &prompts, context_window);
+    let drafter = connect_drafter(args, &model)?;
+    let defaults = decoding_defaults(args, drafter.is_some());
+    let info = model_info(args, &model, &prompts, context_window, &defaults);
     let prompts = Arc::new(prompts);
     let limits = EngineLimits {
         context_window,
         queue_size: args.queue_size,
     };
-    let engine = engine::start(model, prompts, limits);
+    let vocab = model.text_config().vocab_size as u32;
+    let drafting = Drafting {
+        remote: drafter.clone(),
+        prompt_lookup: Arc::new(PromptLookupEngine::new(args.prompt_lookup_block, vocab)),
+    };
+    let engine = engine::start(model, prompts, limits, drafting);
     let request_limits = RequestLimits {
         max_new_tokens: args.max_new_tokens_limit,
         max_images: args.max_images,
@@ -94,8 +109,61 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         max_stop_len: 256,
     };
     Ok(Loaded {
-        service: GenerationService::new(engine, request_limits, info),
+        service: GenerationService::new(engine, request_limits, defaults, info, drafter),
     })
+}
+
+/// With `--drafter`, connects and checks the handshake before serving: a drafter built for another
+/// target stops the start-up; one that is not up yet is retried in the background.
+fn connect_drafter(
+    args: &Args,
+    model: &TargetModel,
+) -> Result<Option<Arc<RemoteDrafter>>, StartupError> {
+    let Some(url) = args.drafter.clone() else {
+        return Ok(None);
+    };
+    let config = model.text_config();
+    let target = TargetDescription {
+        fingerprint: target_fingerprint(&args.model).map_err(|e| StartupError::Model {
+            dir: args.model.display().to_string(),
+            reason: e.to_string(),
+        })?,
+        hidden_size: config.hidden_size as u32,
+        vocab_size: config.vocab_size as u32,
+        num_layers: config.num_layers as u32,
+        kind: model.kind(),
+    };
+    let runtime = tokio::runtime::Handle::current();
+    let deadline = Duration::from_millis(args.drafter_deadline_ms);
+    let drafter = RemoteDrafter::new(url, runtime.clone(), target, deadline);
+    match runtime.block_on(drafter.connect_now()) {
+        Ok(info) => {
+            tracing::info!(kind = info.handshake.kind, taps = ?info.tap_layers, "drafter ready")
+        }
+        Err(e @ DrafterError::Mismatch { .. }) => return Err(StartupError::Drafter(e.to_string())),
+        Err(e) => {
+            tracing::warn!(error = %e, "drafter not reachable yet; requests decode greedily until it is")
+        }
+    }
+    Ok(Some(drafter))
+}
+
+fn decoding_defaults(args: &Args, drafter_configured: bool) -> DecodingDefaults {
+    let mode = match args.default_mode {
+        Some(ModeArg::Autoregressive) => pb::DecodingMode::Autoregressive,
+        Some(ModeArg::SpeculativeTree) => pb::DecodingMode::SpeculativeTree,
+        Some(ModeArg::SpeculativeChain) => pb::DecodingMode::SpeculativeChain,
+        Some(ModeArg::PromptLookup) => pb::DecodingMode::PromptLookup,
+        None if drafter_configured => pb::DecodingMode::SpeculativeTree,
+        None => pb::DecodingMode::Autoregressive,
+    };
+    DecodingDefaults {
+        mode,
+        tree_budget: args.tree_budget,
+        branch_k: args.branch_k,
+        max_tree_budget: args.max_tree_budget,
+        drafter_configured,
+    }
 }
 
 fn model_info(
@@ -103,9 +171,20 @@ fn model_info(
     model: &TargetModel,
     prompts: &PromptBuilder,
     context_window: usize,
+    defaults: &DecodingDefaults,
 ) -> pb::ModelInfoResponse {
     let image_config = prompts.image_config();
     let (min_pixels, max_pixels) = (image_config.min_pixels, image_config.max_pixels);
+    let mut modes = vec![
+        pb::DecodingMode::Autoregressive,
+        pb::DecodingMode::PromptLookup,
+    ];
+    if defaults.drafter_configured {
+        modes.extend([
+            pb::DecodingMode::SpeculativeTree,
+            pb::DecodingMode::SpeculativeChain,
+        ]);
+    }
     pb::ModelInfoResponse {
         model_type: model.family.model_type().to_string(),
         model_id: model_id(&args.model),
@@ -117,8 +196,11 @@ fn model_info(
         max_images_per_request: args.max_images as u32,
         min_pixels: min_pixels as u64,
         max_pixels: max_pixels as u64,
-        supported_modes: vec![pb::DecodingMode::Autoregressive as i32],
-        default_mode: pb::DecodingMode::Autoregressive as i32,
+        supported_modes: modes.into_iter().map(|m| m as i32).collect(),
+        default_mode: defaults.mode as i32,
+        drafter_connected: false,
+        default_tree_budget: defaults.tree_budget as u32,
+        default_branch_k: defaults.branch_k as u32,
     }
 }
 
@@ -143,6 +225,9 @@ pub async fn serve(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        // The Drafter service shares the descriptor set but is internal: list only public ones.
+        .with_service_name("glance.v1.Generation")
+        .with_service_name("grpc.health.v1.Health")
         .build_v1()
         .map_err(|e| StartupError::Serve(e.to_string()))?;
     let generation = pb::generation_server::GenerationServer::new(loaded.service)

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::engine::{EngineHandle, Event, Job, Summary};
+use crate::engine::{Decoding, EngineHandle, Event, Job, Summary};
 use crate::error::VerifierError;
 
 /// Limits a request must respect; advertised by ModelInfo.
@@ -27,15 +27,25 @@ pub struct RequestLimits {
 pub struct GenerationService {
     engine: EngineHandle,
     limits: RequestLimits,
+    defaults: DecodingDefaults,
     info: pb::ModelInfoResponse,
+    drafter: Option<std::sync::Arc<crate::drafter_client::RemoteDrafter>>,
 }
 
 impl GenerationService {
-    pub fn new(engine: EngineHandle, limits: RequestLimits, info: pb::ModelInfoResponse) -> Self {
+    pub fn new(
+        engine: EngineHandle,
+        limits: RequestLimits,
+        defaults: DecodingDefaults,
+        info: pb::ModelInfoResponse,
+        drafter: Option<std::sync::Arc<crate::drafter_client::RemoteDrafter>>,
+    ) -> Self {
         Self {
             engine,
             limits,
+            defaults,
             info,
+            drafter,
         }
     }
 
@@ -45,6 +55,7 @@ impl GenerationService {
         request: pb::GenerateRequest,
     ) -> Result<mpsc::Receiver<Event>, VerifierError> {
         let ignore_eos = request.decoding.as_ref().is_some_and(|d| d.ignore_eos);
+        let decoding = decoding(request.decoding.as_ref(), &self.defaults)?;
         let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
         let prompts = Arc::clone(&self.engine.prompts);
         let prompt = tokio::task::spawn_blocking(move || prompts.build(&messages))
@@ -66,6 +77,7 @@ impl GenerationService {
             max_new_tokens,
             stop,
             ignore_eos,
+            decoding,
             events,
         })?;
         Ok(receiver)
@@ -92,6 +104,7 @@ impl pb::generation_server::Generation for GenerationService {
                     response.finish_reason = finish_reason(&summary) as i32;
                     response.usage = Some(usage(&summary));
                     response.timings = Some(timings(&summary));
+                    response.speculative = speculative_stats(&summary);
                     return Ok(Response::new(response));
                 }
                 Event::Failed(e) => return Err(e.into()),
@@ -118,6 +131,7 @@ impl pb::generation_server::Generation for GenerationService {
                 finish_reason: finish_reason(&summary) as i32,
                 usage: Some(usage(&summary)),
                 timings: Some(timings(&summary)),
+                speculative: speculative_stats(&summary),
                 ..Default::default()
             }),
             Event::Failed(e) => Err(Status::from(e)),
@@ -129,7 +143,9 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         _: Request<pb::ModelInfoRequest>,
     ) -> Result<Response<pb::ModelInfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
+        let mut info = self.info.clone();
+        info.drafter_connected = self.drafter.as_ref().is_some_and(|d| d.is_connected());
+        Ok(Response::new(info))
     }
 }
 
@@ -169,7 +185,6 @@ fn validate(
             format!("must be 1 to {} bytes", limits.max_stop_len),
         ));
     }
-    validate_mode(request.decoding.as_ref())?;
     if request.messages.is_empty() {
         return Err(VerifierError::invalid(
             "messages",
@@ -208,22 +223,97 @@ fn validate(
     Ok((messages, request.max_new_tokens as usize, request.stop))
 }
 
-fn validate_mode(options: Option<&pb::DecodingOptions>) -> Result<(), VerifierError> {
-    let mode = options.map(|o| o.mode).unwrap_or_default();
-    match pb::DecodingMode::try_from(mode) {
-        Ok(pb::DecodingMode::Unspecified | pb::DecodingMode::Autoregressive) => Ok(()),
-        Ok(other) => Err(VerifierError::invalid(
-            "decoding.mode",
-            format!(
-                "{} is not available on this server (no drafter configured)",
-                other.as_str_name()
-            ),
-        )),
-        Err(_) => Err(VerifierError::invalid(
-            "decoding.mode",
-            format!("unknown mode {mode}"),
-        )),
+/// The request's decoding choice, with the server's defaults filled in.
+fn decoding(
+    options: Option<&pb::DecodingOptions>,
+    defaults: &DecodingDefaults,
+) -> Result<Decoding, VerifierError> {
+    let options = options.cloned().unwrap_or_default();
+    let mode = match pb::DecodingMode::try_from(options.mode) {
+        Ok(pb::DecodingMode::Unspecified) => defaults.mode,
+        Ok(mode) => mode,
+        Err(_) => {
+            return Err(VerifierError::invalid(
+                "decoding.mode",
+                format!("unknown mode {}", options.mode),
+            ))
+        }
+    };
+    let needs_drafter = matches!(
+        mode,
+        pb::DecodingMode::SpeculativeTree | pb::DecodingMode::SpeculativeChain
+    );
+    if needs_drafter && !defaults.drafter_configured {
+        return Err(VerifierError::NoDrafter(format!(
+            "decoding.mode {} needs a drafter; this server runs without one (start it with --drafter)",
+            mode.as_str_name()
+        )));
     }
+    let budget = if options.tree_budget == 0 {
+        defaults.tree_budget
+    } else {
+        options.tree_budget as usize
+    };
+    let branch_k = if options.branch_k == 0 {
+        defaults.branch_k
+    } else {
+        options.branch_k as usize
+    };
+    if !(1..=defaults.max_tree_budget).contains(&budget) {
+        return Err(VerifierError::invalid(
+            "decoding.tree_budget",
+            format!("must be 1 to {}", defaults.max_tree_budget),
+        ));
+    }
+    if !(1..=MAX_BRANCH_K).contains(&branch_k) {
+        return Err(VerifierError::invalid(
+            "decoding.branch_k",
+            format!("must be 1 to {MAX_BRANCH_K}"),
+        ));
+    }
+    Ok(match mode {
+        pb::DecodingMode::SpeculativeTree => Decoding::Tree { budget, branch_k },
+        pb::DecodingMode::SpeculativeChain => Decoding::Chain,
+        pb::DecodingMode::PromptLookup => Decoding::PromptLookup,
+        _ => Decoding::Autoregressive,
+    })
+}
+
+const MAX_BRANCH_K: usize = 64;
+
+/// Server-side defaults and bounds for the decoding options.
+#[derive(Clone, Debug)]
+pub struct DecodingDefaults {
+    pub mode: pb::DecodingMode,
+    pub tree_budget: usize,
+    pub branch_k: usize,
+    pub max_tree_budget: usize,
+    pub drafter_configured: bool,
+}
+
+fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
+    let (decoding, spec, stats) = summary.speculative.as_ref()?;
+    let mode = match decoding {
+        Decoding::Tree { .. } => pb::DecodingMode::SpeculativeTree,
+        Decoding::Chain => pb::DecodingMode::SpeculativeChain,
+        Decoding::PromptLookup => pb::DecodingMode::PromptLookup,
+        Decoding::Autoregressive => pb::DecodingMode::Autoregressive,
+    };
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    Some(pb::SpeculativeStats {
+        mode: mode as i32,
+        rounds: stats.rounds as u32,
+        mean_accepted_length: stats.tau(),
+        accepted_per_depth: stats.accepted_per_depth.clone(),
+        draft_ms: ms(stats.draft_time),
+        hop_ms: ms(stats.hop_time),
+        verify_ms: ms(stats.verify_time),
+        bytes_to_drafter: stats.bytes_sent,
+        fallback_rounds: stats.fallback_rounds as u32,
+        rejected_trees: stats.rejected_trees as u32,
+        tree_budget: spec.budget as u32,
+        branch_k: spec.branch_k as u32,
+    })
 }
 
 fn finish_reason(summary: &Summary) -> pb::FinishReason {

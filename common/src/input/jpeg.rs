@@ -26,8 +26,14 @@ pub(super) fn decode_jpeg(data: &[u8]) -> Result<JpegPixels, String> {
     if scans > MAX_SCANS {
         return Err(format!("{scans} scans, at most {MAX_SCANS} are accepted"));
     }
+    // libjpeg pads a truncated stream with gray and only warns; PIL refuses it ("image file is
+    // truncated"), and so do we.
+    if is_truncated(data) {
+        return Err("truncated: no end-of-image marker after the last scan".into());
+    }
     // libjpeg reports fatal errors through a callback that must not return; mozjpeg turns them
     // into an unwind that is caught here (it bypasses the panic hook, so nothing is printed).
+    // This relies on panic = "unwind", the default; with "abort" a corrupt JPEG would abort.
     catch_unwind(AssertUnwindSafe(|| decode_unwinding(data)))
         .unwrap_or_else(|payload| Err(panic_message(payload.as_ref())))
 }
@@ -68,6 +74,16 @@ fn count_scans(data: &[u8]) -> usize {
     data.windows(2).filter(|w| w == &[0xFF, 0xDA]).count()
 }
 
+/// True when no end-of-image marker follows the last start-of-scan (neither can occur inside
+/// entropy-coded data, so this is exactly "the last scan's data was cut off").
+fn is_truncated(data: &[u8]) -> bool {
+    let last_scan = data
+        .windows(2)
+        .rposition(|w| w == [0xFF, 0xDA])
+        .unwrap_or(0);
+    !data[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,6 +92,14 @@ mod tests {
     fn garbage_is_an_error_not_a_panic() {
         let err = decode_jpeg(&[0xFF, 0xD8, 0xFF, 0xE0, 0, 2, 1, 2, 3]).err();
         assert!(err.is_some());
+    }
+
+    #[test]
+    fn missing_end_marker_means_truncated() {
+        assert!(is_truncated(&[0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 3]));
+        assert!(!is_truncated(&[
+            0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0xD9, 7
+        ]));
     }
 
     #[test]

@@ -100,8 +100,9 @@ pub struct PromptBuilder {
 }
 
 impl PromptBuilder {
-    /// Loads `tokenizer.json`, the chat template, `preprocessor_config.json`, `config.json` and
-    /// (if present) `generation_config.json` from a Hugging Face checkpoint directory.
+    /// Loads `tokenizer.json`, the chat template, the image processor settings, `config.json`
+    /// and (if present) `tokenizer_config.json` and `generation_config.json` from a Hugging Face
+    /// checkpoint directory.
     pub fn from_model_dir(dir: &Path, options: PromptOptions) -> Result<Self, LoadError> {
         let tokenizer = load_tokenizer(&dir.join("tokenizer.json"))?;
         let template = ChatTemplate::from_model_dir(dir)?;
@@ -115,22 +116,21 @@ impl PromptBuilder {
         let config = read_json(&config_path)?;
         let special = special_tokens(&config, &tokenizer, &image_config).map_err(|reason| {
             LoadError::InvalidConfig {
-                path: config_path.clone(),
+                path: config_path,
                 reason,
             }
         })?;
         let tokenizer_config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         let eos_token_ids = eos_token_ids(dir, &config, tokenizer_config.as_ref(), &tokenizer)?;
-        let bos_token = tokenizer_config
-            .as_ref()
-            .and_then(|c| token_text(c.get("bos_token")?));
         Ok(Self {
             tokenizer,
             template,
             image_config,
             special,
             eos_token_ids,
-            bos_token,
+            bos_token: tokenizer_config
+                .as_ref()
+                .and_then(|c| token_text(c.get("bos_token")?)),
             options,
         })
     }

@@ -1,0 +1,1010 @@
+//! The block draft head: DFlash's block-diffusion decoder (z-lab/dflash `DFlashDraftModel`), as
+//! GLANCE uses it unchanged. One non-causal pass over `[root, MASK×(B−1)]` reads the target's tap
+//! states of the newly committed positions, injected as extra keys/values into every layer, and
+//! yields B−1 per-offset marginals through the target's own LM head.
+//!
+//! Per pass (see glance.md §2.3): `ctx = hidden_norm(fc(taps))`; the block stream is the target
+//! embedding of the block; every layer takes q from the block only and k/v from `[ctx ; block]`
+//! (per-head q/k RMSNorm, 1-D RoPE on stream positions), attends without a mask over
+//! `[cached ctx ; new ctx ; block]`, then a SwiGLU MLP. Only the context rows stay in the draft
+//! cache; the block's rows are dropped, as DFlash crops its cache back to the root.
+
+use std::path::Path;
+
+use glance_common::kv_cache::{CacheError, KvCache};
+use glance_common::models::layers::{
+    apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm,
+};
+use glance_common::weights::{read_named_tensors, Checkpoint, WeightsError};
+use serde_json::Value;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HeadError {
+    #[error("cannot read {path}: {reason}")]
+    Config { path: String, reason: String },
+    #[error("unsupported draft head: {0}")]
+    Unsupported(String),
+    #[error("draft head does not fit the target: {0}")]
+    Mismatch(String),
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("bad draft input: {0}")]
+    Input(String),
+}
+
+/// What the head needs to know about its target, from the target's `config.json` (the language
+/// model section: `text_config` when present, else the top level).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TargetDims {
+    pub model_type: String,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_layers: usize,
+    pub num_heads: i64,
+    pub num_kv_heads: i64,
+    pub head_dim: i64,
+    pub vocab_size: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+}
+
+impl TargetDims {
+    pub fn read(target_dir: &Path) -> Result<Self, HeadError> {
+        let path = target_dir.join("config.json");
+        let root = read_json(&path)?;
+        let section = root.get("text_config").unwrap_or(&root);
+        let view = JsonView::new(section, &path);
+        let hidden_size = view.int("hidden_size")?;
+        let num_heads = view.int("num_attention_heads")?;
+        let tie = root
+            .get("tie_word_embeddings")
+            .or_else(|| section.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Ok(Self {
+            model_type: view.str_or_root(&root, "model_type"),
+            hidden_size,
+            intermediate_size: view.int("intermediate_size")?,
+            num_layers: view.usize("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: view.int_or("num_key_value_heads", num_heads),
+            head_dim: view.int_or("head_dim", hidden_size / num_heads.max(1)),
+            vocab_size: view.int("vocab_size")?,
+            rms_norm_eps: view.float_or("rms_norm_eps", 1e-6),
+            rope_theta: rope_theta(section).unwrap_or(10000.0),
+            tie_word_embeddings: tie,
+        })
+    }
+}
+
+/// The head's hyper-parameters, read from its `config.json` as the public DFlash checkpoints spell
+/// it: Qwen3Config keys plus `block_size`, `mask_token_id` and `target_layer_ids`, each either at
+/// the top level or inside `dflash_config` (which wins, as in DFlash's `_draft_value`).
+#[derive(Clone, Debug)]
+pub struct DraftHeadConfig {
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_layers: usize,
+    pub num_heads: i64,
+    pub num_kv_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub attention_bias: bool,
+    pub activation: Activation,
+    /// `vocab_size` of the head's config when it has one (checked against the target).
+    pub vocab_size: Option<i64>,
+    pub block_size: usize,
+    pub mask_token_id: i64,
+    /// Target decoder layers read, in the order their states are concatenated.
+    pub target_layer_ids: Vec<usize>,
+    /// Newer DFlash knobs; 1.0 / 1.0 / none in every released DFlash-1 head.
+    pub input_embedding_scale: f64,
+    pub output_multiplier: f64,
+    pub final_logit_softcapping: Option<f64>,
+}
+
+impl DraftHeadConfig {
+    /// Reads `head_dir/config.json`. `num_target_layers` (the target's layer count) is the
+    /// fallback for the tap rule when the config names neither taps nor `num_target_layers`.
+    pub fn load(head_dir: &Path, num_target_layers: Option<usize>) -> Result<Self, HeadError> {
+        let path = head_dir.join("config.json");
+        Self::from_json(&read_json(&path)?, &path, num_target_layers)
+    }
+
+    pub fn from_json(
+        root: &Value,
+        path: &Path,
+        num_target_layers: Option<usize>,
+    ) -> Result<Self, HeadError> {
+        reject_unsupported_variants(root)?;
+        let view = JsonView::new(root, path);
+        let draft = DraftValues::new(root);
+        let hidden_size = view.int("hidden_size")?;
+        let num_heads = view.int("num_attention_heads")?;
+        let num_layers = view.usize("num_hidden_layers")?;
+        let activation_name = root
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu");
+        let config = Self {
+            hidden_size,
+            intermediate_size: view.int("intermediate_size")?,
+            num_layers,
+            num_heads,
+            num_kv_heads: view.int_or("num_key_value_heads", num_heads),
+            head_dim: view.int_or("head_dim", hidden_size / num_heads.max(1)),
+            rms_norm_eps: view.float_or("rms_norm_eps", 1e-6),
+            rope_theta: rope_theta(root).unwrap_or(10000.0),
+            attention_bias: root
+                .get("attention_bias")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            activation: Activation::from_name(activation_name)
+                .ok_or_else(|| HeadError::Unsupported(format!("hidden_act {activation_name:?}")))?,
+            vocab_size: root.get("vocab_size").and_then(Value::as_i64),
+            block_size: draft.int("block_size").map_or(Ok(16), |b| {
+                usize::try_from(b).map_err(|_| view.bad("block_size"))
+            })?,
+            mask_token_id: draft
+                .int("mask_token_id")
+                .ok_or_else(|| view.bad("mask_token_id"))?,
+            target_layer_ids: target_layer_ids(&draft, &view, num_layers, num_target_layers)?,
+            input_embedding_scale: draft.float("input_embedding_scale").unwrap_or(1.0),
+            output_multiplier: draft.float("output_multiplier").unwrap_or(1.0),
+            final_logit_softcapping: draft.float("final_logit_softcapping").filter(|&c| c > 0.0),
+        };
+        config.validate(&view)?;
+        Ok(config)
+    }
+
+    fn validate(&self, view: &JsonView) -> Result<(), HeadError> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v <= 0) {
+            return Err(view.bad(key));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(view.bad("num_key_value_heads (must divide num_attention_heads)"));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(view.bad("head_dim (must be even for RoPE)"));
+        }
+        if self.block_size < 2 {
+            return Err(view.bad("block_size (must be at least 2)"));
+        }
+        if self.num_layers == 0 || self.target_layer_ids.is_empty() {
+            return Err(view.bad("num_hidden_layers / target_layer_ids (must not be empty)"));
+        }
+        if self.mask_token_id < 0 {
+            return Err(view.bad("mask_token_id"));
+        }
+        Ok(())
+    }
+}
+
+/// DFlash's tap rule (`build_target_layer_ids`, glance.md §2.2): one draft layer reads the middle
+/// target layer; k > 1 draft layers read `round(1 + i·(n−4)/(k−1))`, Python's round (half to even).
+pub fn build_target_layer_ids(num_target_layers: usize, num_draft_layers: usize) -> Vec<usize> {
+    if num_draft_layers == 1 {
+        return vec![num_target_layers / 2];
+    }
+    let span = num_target_layers as f64 - 4.0;
+    let steps = num_draft_layers as f64 - 1.0;
+    (0..num_draft_layers)
+        .map(|i| (1.0 + (i as f64 * span) / steps).round_ties_even().max(0.0) as usize)
+        .collect()
+}
+
+/// Variants whose extra machinery this head does not implement: refuse them rather than draft
+/// with part of the model.
+fn reject_unsupported_variants(root: &Value) -> Result<(), HeadError> {
+    let unsupported = |what: &str| Err(HeadError::Unsupported(what.to_string()));
+    let architectures = root.get("architectures").and_then(Value::as_array);
+    if architectures.is_some_and(|a| a.iter().any(|v| v.as_str() == Some("DFlash2DraftModel"))) {
+        return unsupported("DFlash2DraftModel (dynamic convolutions, candidate selector)");
+    }
+    let draft = DraftValues::new(root);
+    if draft.get("conv_kernel_size").is_some() || draft.get("selector_rank").is_some() {
+        return unsupported("DFlash 2 settings (conv_kernel_size / selector_rank)");
+    }
+    let layer_types = root.get("layer_types").and_then(Value::as_array);
+    if layer_types.is_some_and(|t| t.iter().any(|v| v.as_str() != Some("full_attention"))) {
+        return unsupported("layer_types other than full_attention (sliding-window layers)");
+    }
+    if root.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        return unsupported("use_sliding_window");
+    }
+    if draft.get("is_causal").and_then(Value::as_bool) == Some(true) {
+        return unsupported("is_causal (causal draft attention)");
+    }
+    let rope = root
+        .get("rope_parameters")
+        .or_else(|| root.get("rope_scaling"))
+        .filter(|r| !r.is_null());
+    if let Some(rope) = rope {
+        let rope_type = rope
+            .get("rope_type")
+            .or_else(|| rope.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if rope_type != "default" || rope.get("mrope_section").is_some() {
+            return unsupported(
+                "rope scaling / M-RoPE in the head (GLANCE heads use plain 1-D RoPE)",
+            );
+        }
+    }
+    Ok(())
+}
+
+fn target_layer_ids(
+    draft: &DraftValues,
+    view: &JsonView,
+    num_layers: usize,
+    num_target_layers: Option<usize>,
+) -> Result<Vec<usize>, HeadError> {
+    if let Some(ids) = draft.get("target_layer_ids") {
+        return ids
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|v| v.as_u64().map(|x| x as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| view.bad("target_layer_ids"));
+    }
+    let from_config = view
+        .value
+        .get("num_target_layers")
+        .and_then(Value::as_u64)
+        .map(|n| n as usize);
+    let target_layers = from_config
+        .or(num_target_layers)
+        .ok_or_else(|| view.bad("target_layer_ids (and no num_target_layers to derive them)"))?;
+    Ok(build_target_layer_ids(target_layers, num_layers))
+}
+
+/// A loaded draft head with the target's embedding and LM head.
+pub struct DraftHead {
+    config: DraftHeadConfig,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<HeadLayer>,
+    norm: RmsNorm,
+    /// (vocab, hidden), the target's.
+    embed: Tensor,
+    /// (vocab, hidden), the target's.
+    lm_head: Tensor,
+    inv_freq: Tensor,
+    kind: Kind,
+    device: Device,
+}
+
+struct HeadLayer {
+    input_layernorm: RmsNorm,
+    attn: HeadAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: HeadMlp,
+}
+
+struct HeadAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+struct HeadMlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    activation: Activation,
+}
+
+impl DraftHead {
+    /// Loads the head from `head_dir` and, from `target_dir`, only the two target tensors it
+    /// shares (input embedding and LM head), checking that head and target fit together.
+    pub fn load(
+        head_dir: &Path,
+        target_dir: &Path,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self, HeadError> {
+        let target = TargetDims::read(target_dir)?;
+        let config = DraftHeadConfig::load(head_dir, Some(target.num_layers))?;
+        check_fits_target(&config, &target)?;
+        let (embed, lm_head) = load_target_matrices(target_dir, &target, kind, device)?;
+        Self::from_parts(config, head_dir, embed, lm_head, kind, device)
+    }
+
+    /// Builds the head from a parsed config, the head's weights in `head_weights_dir`, and the
+    /// target's embedding and LM head matrices (vocab, hidden) — e.g. from a loaded
+    /// `TargetModel` (`text.embed_tokens()`, `text.lm_head()`). The caller checks that the tap
+    /// layers exist in its target.
+    pub fn from_parts(
+        config: DraftHeadConfig,
+        head_weights_dir: &Path,
+        embed: Tensor,
+        lm_head: Tensor,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self, HeadError> {
+        let embed = embed.to_device(device).to_kind(kind);
+        let lm_head = lm_head.to_device(device).to_kind(kind);
+        check_shared_matrices(&config, &embed, &lm_head)?;
+        let mut ckpt = Checkpoint::open(head_weights_dir, kind, device)?;
+        let prefix = weight_prefix(&ckpt)?;
+        let c = &config;
+        let taps = c.target_layer_ids.len() as i64;
+        let fc = Linear::load(
+            &mut ckpt,
+            &format!("{prefix}fc"),
+            taps * c.hidden_size,
+            c.hidden_size,
+            false,
+        )?;
+        let norm_of = |ckpt: &mut Checkpoint, name: &str| {
+            RmsNorm::load(
+                ckpt,
+                &format!("{prefix}{name}"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )
+        };
+        let hidden_norm = norm_of(&mut ckpt, "hidden_norm")?;
+        let norm = norm_of(&mut ckpt, "norm")?;
+        let layers = (0..c.num_layers)
+            .map(|i| HeadLayer::load(&mut ckpt, &format!("{prefix}layers.{i}"), c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let unused = ckpt.remaining();
+        if !unused.is_empty() {
+            tracing::warn!(count = unused.len(), first = %unused[0], "draft head tensors not used");
+        }
+        let inv_freq = inverse_frequencies(c.rope_theta, c.head_dim, device);
+        Ok(Self {
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            embed,
+            lm_head,
+            inv_freq,
+            kind,
+            device,
+            config,
+        })
+    }
+
+    /// An empty draft KV cache for `capacity` stream positions (context rows plus one block).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let c = &self.config;
+        KvCache::new(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            capacity,
+            self.kind,
+            self.device,
+        )
+    }
+
+    /// One draft pass. `context`: (C, taps·hidden) tap states (any float dtype) of the C committed
+    /// positions not yet in `cache`, which must end right before `root_position`; `root_token` is
+    /// the pending token at `root_position`. Appends the C context rows to `cache` and returns the
+    /// (B−1, vocab) draft logits for positions `root_position+1 ..= root_position+B−1`.
+    pub fn draft(
+        &self,
+        cache: &mut KvCache,
+        context: &Tensor,
+        root_token: i64,
+        root_position: usize,
+    ) -> Result<Tensor, HeadError> {
+        self.check_draft_input(cache, context, root_token, root_position)?;
+        Ok(tch::no_grad(|| self.forward(cache, context, root_token)))
+    }
+
+    fn check_draft_input(
+        &self,
+        cache: &KvCache,
+        context: &Tensor,
+        root_token: i64,
+        root_position: usize,
+    ) -> Result<(), HeadError> {
+        let width = self.config.target_layer_ids.len() as i64 * self.config.hidden_size;
+        let size = context.size();
+        if size.len() != 2 || size[1] != width {
+            return Err(HeadError::Input(format!(
+                "context states {size:?}, expected [rows, {width}]"
+            )));
+        }
+        if !matches!(
+            context.kind(),
+            Kind::Float | Kind::BFloat16 | Kind::Half | Kind::Double
+        ) {
+            return Err(HeadError::Input(format!(
+                "context states of dtype {:?}, expected a float dtype",
+                context.kind()
+            )));
+        }
+        let rows = size[0] as usize;
+        if cache.len() + rows != root_position {
+            return Err(HeadError::Input(format!(
+                "draft cache holds {} positions and {rows} new context rows follow, so the root \
+                 must be at {}, not {root_position}",
+                cache.len(),
+                cache.len() + rows
+            )));
+        }
+        if !(0..self.vocab_size()).contains(&root_token) {
+            return Err(HeadError::Input(format!(
+                "root token {root_token} outside the vocabulary of {}",
+                self.vocab_size()
+            )));
+        }
+        cache.ensure_room(rows + self.config.block_size)?;
+        Ok(())
+    }
+
+    fn forward(&self, cache: &mut KvCache, context: &Tensor, root_token: i64) -> Tensor {
+        let rows = context.size()[0];
+        let block = self.config.block_size as i64;
+        let context = context.to_device(self.device).to_kind(self.kind);
+        let ctx = self.hidden_norm.forward(&self.fc.forward(&context));
+        let mut hidden = self.block_embedding(root_token);
+        let (cos, sin) = self.rotary(cache.len() as i64, rows + block);
+        for (i, layer) in self.layers.iter().enumerate() {
+            hidden = layer.forward(&hidden, &ctx, &cos, &sin, i, cache);
+        }
+        // Only the context rows persist; the block's rows past them are left to be overwritten.
+        cache.advance(rows as usize);
+        let out = self.norm.forward(&hidden.narrow(0, 1, block - 1));
+        self.logits(&out)
+    }
+
+    /// Target embedding of `[root, MASK × (B−1)]`, (B, hidden).
+    fn block_embedding(&self, root_token: i64) -> Tensor {
+        let mut ids = vec![self.config.mask_token_id; self.config.block_size];
+        ids[0] = root_token;
+        let ids = Tensor::from_slice(&ids).to_device(self.device);
+        let embedded = self.embed.index_select(0, &ids);
+        match self.config.input_embedding_scale {
+            scale if scale != 1.0 => embedded * scale,
+            _ => embedded,
+        }
+    }
+
+    fn logits(&self, hidden: &Tensor) -> Tensor {
+        let mut logits = hidden.linear(&self.lm_head, None::<Tensor>);
+        if self.config.output_multiplier != 1.0 {
+            logits *= self.config.output_multiplier;
+        }
+        if let Some(cap) = self.config.final_logit_softcapping {
+            logits = (logits / cap).tanh() * cap;
+        }
+        logits
+    }
+
+    /// cos and sin (n, head_dim) for the 1-D positions `start..start+n`; angles in f32 as
+    /// transformers' Qwen3RotaryEmbedding computes them.
+    fn rotary(&self, start: i64, n: i64) -> (Tensor, Tensor) {
+        let positions =
+            Tensor::arange_start(start, start + n, (Kind::Int64, self.device)).to_kind(Kind::Float);
+        let freqs = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0);
+        let angles = Tensor::cat(&[&freqs, &freqs], -1);
+        (
+            angles.cos().to_kind(self.kind),
+            angles.sin().to_kind(self.kind),
+        )
+    }
+
+    pub fn config(&self) -> &DraftHeadConfig {
+        &self.config
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    pub fn mask_token_id(&self) -> i64 {
+        self.config.mask_token_id
+    }
+
+    pub fn tap_layers(&self) -> &[usize] {
+        &self.config.target_layer_ids
+    }
+
+    pub fn hidden_size(&self) -> i64 {
+        self.config.hidden_size
+    }
+
+    pub fn vocab_size(&self) -> i64 {
+        self.lm_head.size()[0]
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}
+
+/// `""` or `"model."`: the prefix under which this checkpoint stores the head's tensors.
+fn weight_prefix(ckpt: &Checkpoint) -> Result<&'static str, HeadError> {
+    ["", "model."]
+        .into_iter()
+        .find(|prefix| ckpt.contains(&format!("{prefix}fc.weight")))
+        .ok_or_else(|| {
+            HeadError::Weights(WeightsError::Missing {
+                name: "fc.weight".into(),
+                alternatives: vec!["model.fc.weight".into()],
+            })
+        })
+}
+
+fn check_fits_target(config: &DraftHeadConfig, target: &TargetDims) -> Result<(), HeadError> {
+    if config.hidden_size != target.hidden_size {
+        return Err(HeadError::Mismatch(format!(
+            "head hidden size {} but target hidden size {}",
+            config.hidden_size, target.hidden_size
+        )));
+    }
+    if let Some(&bad) = config
+        .target_layer_ids
+        .iter()
+        .find(|&&l| l >= target.num_layers)
+    {
+        return Err(HeadError::Mismatch(format!(
+            "tap layer {bad} but the target has {} layers",
+            target.num_layers
+        )));
+    }
+    if config.vocab_size.is_some_and(|v| v != target.vocab_size) {
+        return Err(HeadError::Mismatch(format!(
+            "head vocab size {:?} but target vocab size {}",
+            config.vocab_size, target.vocab_size
+        )));
+    }
+    Ok(())
+}
+
+fn check_shared_matrices(
+    config: &DraftHeadConfig,
+    embed: &Tensor,
+    lm_head: &Tensor,
+) -> Result<(), HeadError> {
+    let embed_size = embed.size();
+    let (vocab, hidden) = match embed_size[..] {
+        [v, h] => (v, h),
+        _ => {
+            return Err(HeadError::Mismatch(format!(
+                "embedding of shape {embed_size:?}"
+            )))
+        }
+    };
+    if hidden != config.hidden_size || lm_head.size() != [vocab, hidden] {
+        return Err(HeadError::Mismatch(format!(
+            "embedding {embed_size:?} and LM head {:?}, expected [vocab, {}] both",
+            lm_head.size(),
+            config.hidden_size
+        )));
+    }
+    if config.mask_token_id >= vocab {
+        return Err(HeadError::Mismatch(format!(
+            "mask token {} outside the target vocabulary of {vocab}",
+            config.mask_token_id
+        )));
+    }
+    Ok(())
+}
+
+/// The target's input embedding and LM head (tied to the embedding when the target says so),
+/// read alone from its checkpoint.
+fn load_target_matrices(
+    target_dir: &Path,
+    target: &TargetDims,
+    kind: Kind,
+    device: Device,
+) -> Result<(Tensor, Tensor), HeadError> {
+    const EMBED: [&str; 2] = [
+        "model.language_model.embed_tokens.weight",
+        "model.embed_tokens.weight",
+    ];
+    const LM_HEAD: &str = "lm_head.weight";
+    let mut found = read_named_tensors(target_dir, &[EMBED[0], EMBED[1], LM_HEAD], kind, device)?;
+    let embed = EMBED
+        .iter()
+        .find_map(|name| found.remove(*name))
+        .ok_or_else(|| WeightsError::Missing {
+            name: EMBED[0].into(),
+            alternatives: vec![EMBED[1].into()],
+        })?;
+    let lm_head = match found.remove(LM_HEAD) {
+        Some(t) => t,
+        None if target.tie_word_embeddings => embed.shallow_clone(),
+        None => {
+            return Err(HeadError::Weights(WeightsError::Missing {
+                name: LM_HEAD.into(),
+                alternatives: vec![],
+            }))
+        }
+    };
+    Ok((embed, lm_head))
+}
+
+impl HeadLayer {
+    fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        c: &DraftHeadConfig,
+    ) -> Result<Self, WeightsError> {
+        let norm = |ckpt: &mut Checkpoint, name: &str| {
+            RmsNorm::load(
+                ckpt,
+                &format!("{prefix}.{name}"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )
+        };
+        Ok(Self {
+            input_layernorm: norm(ckpt, "input_layernorm")?,
+            attn: HeadAttention::load(ckpt, &format!("{prefix}.self_attn"), c)?,
+            post_attention_layernorm: norm(ckpt, "post_attention_layernorm")?,
+            mlp: HeadMlp::load(ckpt, &format!("{prefix}.mlp"), c)?,
+        })
+    }
+
+    /// hidden: (B, d) block stream; ctx: (C, d) fused context, the same for every layer.
+    fn forward(
+        &self,
+        hidden: &Tensor,
+        ctx: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        layer: usize,
+        cache: &mut KvCache,
+    ) -> Tensor {
+        let x = self.input_layernorm.forward(hidden);
+        let h = hidden + self.attn.forward(&x, ctx, cos, sin, layer, cache);
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
+    }
+}
+
+impl HeadAttention {
+    fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        c: &DraftHeadConfig,
+    ) -> Result<Self, WeightsError> {
+        let q_dim = c.num_heads * c.head_dim;
+        let kv_dim = c.num_kv_heads * c.head_dim;
+        let bias = c.attention_bias;
+        let proj = |ckpt: &mut Checkpoint, name: &str, i: i64, o: i64| {
+            Linear::load(ckpt, &format!("{prefix}.{name}"), i, o, bias)
+        };
+        let norm = |ckpt: &mut Checkpoint, name: &str| {
+            RmsNorm::load(
+                ckpt,
+                &format!("{prefix}.{name}"),
+                c.head_dim,
+                c.rms_norm_eps,
+            )
+        };
+        Ok(Self {
+            q_proj: proj(ckpt, "q_proj", c.hidden_size, q_dim)?,
+            k_proj: proj(ckpt, "k_proj", c.hidden_size, kv_dim)?,
+            v_proj: proj(ckpt, "v_proj", c.hidden_size, kv_dim)?,
+            o_proj: proj(ckpt, "o_proj", q_dim, c.hidden_size)?,
+            q_norm: norm(ckpt, "q_norm")?,
+            k_norm: norm(ckpt, "k_norm")?,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        })
+    }
+
+    /// Queries from the block x (B, d); keys/values from [ctx ; x] (C+B rows) appended to the
+    /// layer's cache; non-causal attention over everything cached. cos/sin: (C+B, head_dim).
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        layer: usize,
+        cache: &mut KvCache,
+    ) -> Tensor {
+        let block = x.size()[0];
+        let rows = ctx.size()[0] + block;
+        let split_heads = |t: Tensor, n: i64, count: i64| t.view([n, count, self.head_dim]);
+        let q = split_heads(self.q_proj.forward(x), block, self.num_heads);
+        let q = self.q_norm.forward(&q).transpose(0, 1); // (heads, B, hd)
+        let kv_input = Tensor::cat(&[ctx, x], 0);
+        let k = split_heads(self.k_proj.forward(&kv_input), rows, self.num_kv_heads);
+        let k = self.k_norm.forward(&k).transpose(0, 1); // (kv_heads, C+B, hd)
+        let v =
+            split_heads(self.v_proj.forward(&kv_input), rows, self.num_kv_heads).transpose(0, 1);
+        // Queries sit at the last B positions; keys at all C+B.
+        let q_cos = cos.narrow(0, rows - block, block).unsqueeze(0);
+        let q_sin = sin.narrow(0, rows - block, block).unsqueeze(0);
+        let q = apply_rotary(&q, &q_cos, &q_sin);
+        let k = apply_rotary(&k, &cos.unsqueeze(0), &sin.unsqueeze(0));
+        let (keys, values) = cache.write(layer, &k, &v);
+        let out = Tensor::scaled_dot_product_attention(
+            &q.unsqueeze(0),
+            &keys.unsqueeze(0),
+            &values.unsqueeze(0),
+            None::<Tensor>,
+            0.0,
+            false,
+            None,
+            self.num_heads != self.num_kv_heads,
+        ); // (1, heads, B, hd)
+        let out = out
+            .squeeze_dim(0)
+            .transpose(0, 1)
+            .contiguous()
+            .view([block, self.num_heads * self.head_dim]);
+        self.o_proj.forward(&out)
+    }
+}
+
+impl HeadMlp {
+    fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        c: &DraftHeadConfig,
+    ) -> Result<Self, WeightsError> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let proj = |ckpt: &mut Checkpoint, name: &str, inp: i64, out: i64| {
+            Linear::load(ckpt, &format!("{prefix}.{name}"), inp, out, false)
+        };
+        Ok(Self {
+            gate_proj: proj(ckpt, "gate_proj", h, i)?,
+            up_proj: proj(ckpt, "up_proj", h, i)?,
+            down_proj: proj(ckpt, "down_proj", i, h)?,
+            activation: c.activation,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let gate = self.activation.apply(&self.gate_proj.forward(x));
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
+    }
+}
+
+pub(crate) fn read_json(path: &Path) -> Result<Value, HeadError> {
+    let err = |reason: String| HeadError::Config {
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| err(e.to_string()))
+}
+
+/// `rope_parameters.rope_theta` (transformers 5.x) or the top-level `rope_theta` (4.x).
+fn rope_theta(section: &Value) -> Option<f64> {
+    section
+        .get("rope_parameters")
+        .and_then(|r| r.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .or_else(|| section.get("rope_theta").and_then(Value::as_f64))
+}
+
+/// DFlash's `_draft_value`: a key of `dflash_config` first, else of the top level.
+struct DraftValues<'a> {
+    root: &'a Value,
+}
+
+impl<'a> DraftValues<'a> {
+    fn new(root: &'a Value) -> Self {
+        Self { root }
+    }
+
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.root
+            .get("dflash_config")
+            .and_then(|d| d.get(key))
+            .or_else(|| self.root.get(key))
+            .filter(|v| !v.is_null())
+    }
+
+    fn int(&self, key: &str) -> Option<i64> {
+        self.get(key)?.as_i64()
+    }
+
+    fn float(&self, key: &str) -> Option<f64> {
+        self.get(key)?.as_f64()
+    }
+}
+
+/// Typed reads of a config object, naming the file in errors.
+struct JsonView<'a> {
+    value: &'a Value,
+    path: &'a Path,
+}
+
+impl<'a> JsonView<'a> {
+    fn new(value: &'a Value, path: &'a Path) -> Self {
+        Self { value, path }
+    }
+
+    fn bad(&self, key: &str) -> HeadError {
+        HeadError::Config {
+            path: self.path.display().to_string(),
+            reason: format!("missing or invalid key {key:?}"),
+        }
+    }
+
+    fn int(&self, key: &str) -> Result<i64, HeadError> {
+        self.value
+            .get(key)
+            .and_then(Value::as_i64)
+            .ok_or_else(|| self.bad(key))
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, HeadError> {
+        self.value
+            .get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| self.bad(key))
+    }
+
+    fn int_or(&self, key: &str, default: i64) -> i64 {
+        self.value
+            .get(key)
+            .and_then(Value::as_i64)
+            .unwrap_or(default)
+    }
+
+    fn float_or(&self, key: &str, default: f64) -> f64 {
+        self.value
+            .get(key)
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    }
+
+    fn str_or_root(&self, root: &Value, key: &str) -> String {
+        root.get(key)
+            .or_else(|| self.value.get(key))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(value: Value, target_layers: Option<usize>) -> Result<DraftHeadConfig, HeadError> {
+        DraftHeadConfig::from_json(&value, Path::new("config.json"), target_layers)
+    }
+
+    /// The shape of z-lab/SpecForge DFlash configs (Qwen3-8B head, SpecForge configs dir).
+    fn qwen3_8b_like() -> Value {
+        json!({
+            "architectures": ["DFlashDraftModel"],
+            "attention_bias": false,
+            "block_size": 16,
+            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "layer_types": vec!["full_attention"; 5],
+            "model_type": "qwen3",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 5,
+            "num_key_value_heads": 8,
+            "num_target_layers": 36,
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": null,
+            "rope_theta": 1000000,
+            "sliding_window": null,
+            "use_sliding_window": false,
+            "vocab_size": 151936
+        })
+    }
+
+    #[test]
+    fn tap_rule_matches_dflash() {
+        assert_eq!(build_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(build_target_layer_ids(28, 5), vec![1, 7, 13, 19, 25]);
+        assert_eq!(build_target_layer_ids(36, 1), vec![18]);
+        // 1 + 1·3/2 = 2.5 rounds to 2 under Python's round.
+        assert_eq!(build_target_layer_ids(7, 3), vec![1, 2, 4]);
+        assert_eq!(build_target_layer_ids(4, 2), vec![1, 1]);
+    }
+
+    #[test]
+    fn reads_dflash_config_spellings() {
+        let c = parse(qwen3_8b_like(), None).unwrap();
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.mask_token_id, 151669);
+        assert_eq!(c.target_layer_ids, vec![1, 9, 17, 25, 33]);
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!(c.vocab_size, Some(151936));
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (32, 8, 128));
+
+        // Top-level mask/taps (some published heads) and rope_parameters (transformers 5.x).
+        let mut top = qwen3_8b_like();
+        top.as_object_mut().unwrap().remove("dflash_config");
+        top["mask_token_id"] = json!(7);
+        top["target_layer_ids"] = json!([2, 3]);
+        top["rope_parameters"] = json!({"rope_theta": 5e6, "rope_type": "default"});
+        let c = parse(top, None).unwrap();
+        assert_eq!(
+            (c.mask_token_id, c.target_layer_ids.clone()),
+            (7, vec![2, 3])
+        );
+        assert_eq!(c.rope_theta, 5e6);
+    }
+
+    #[test]
+    fn derives_taps_when_the_config_has_none() {
+        let mut v = qwen3_8b_like();
+        v["dflash_config"] = json!({"mask_token_id": 3});
+        assert_eq!(
+            parse(v.clone(), Some(4)).unwrap().target_layer_ids,
+            vec![1, 9, 17, 25, 33]
+        );
+        v.as_object_mut().unwrap().remove("num_target_layers");
+        assert_eq!(
+            parse(v.clone(), Some(28)).unwrap().target_layer_ids,
+            vec![1, 7, 13, 19, 25]
+        );
+        assert!(parse(v, None).is_err());
+    }
+
+    #[test]
+    fn refuses_variants_it_does_not_implement() {
+        let cases = [
+            ("layer_types", json!(vec!["sliding_attention"; 5])),
+            ("use_sliding_window", json!(true)),
+            ("architectures", json!(["DFlash2DraftModel"])),
+            ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0})),
+            (
+                "rope_scaling",
+                json!({"mrope_section": [24, 20, 20], "type": "default"}),
+            ),
+        ];
+        for (key, value) in cases {
+            let mut v = qwen3_8b_like();
+            v[key] = value;
+            assert!(
+                matches!(parse(v, None), Err(HeadError::Unsupported(_))),
+                "{key}"
+            );
+        }
+        let mut v = qwen3_8b_like();
+        v["dflash_config"]["conv_kernel_size"] = json!(4);
+        assert!(matches!(parse(v, None), Err(HeadError::Unsupported(_))));
+        let mut v = qwen3_8b_like();
+        v["dflash_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("mask_token_id");
+        assert!(matches!(parse(v, None), Err(HeadError::Config { .. })));
+        let mut v = qwen3_8b_like();
+        v["num_key_value_heads"] = json!(5);
+        assert!(parse(v, None).is_err());
+    }
+}

@@ -1,0 +1,301 @@
+//! A randomly initialized draft head for a given target: the fixture for tests today and the
+//! starting point of training later. Writes a DFlash-style model directory (`config.json` as
+//! the public DFlash checkpoints spell it, `model.safetensors` with DFlash's tensor names) whose
+//! dimensions follow the target's language model. Initialization as transformers'
+//! Qwen3PreTrainedModel does it: matrices N(0, std), RMSNorm weights 1. Seeded with a private
+//! generator, so the same spec gives the same bytes whatever else runs in the process.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use tch::{Kind, Tensor};
+
+use crate::head::{build_target_layer_ids, read_json, DraftHeadConfig, HeadError, TargetDims};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error(transparent)]
+    Head(#[from] HeadError),
+    #[error("cannot write {path}: {reason}")]
+    Write { path: PathBuf, reason: String },
+    #[error("invalid head spec: {0}")]
+    Spec(String),
+}
+
+/// What to build. Dimensions not named here (hidden size, heads, head_dim, RMSNorm eps) are the
+/// target's; `None` fields default from the target too.
+#[derive(Clone, Debug)]
+pub struct HeadSpec {
+    pub layers: usize,
+    pub block_size: usize,
+    /// Default: DFlash's tap rule for this target's depth and `layers`.
+    pub tap_layers: Option<Vec<usize>>,
+    /// Default: the target tokenizer's `<|vision_pad|>`, a reserved token the Qwen-VL processors
+    /// never emit.
+    pub mask_token_id: Option<i64>,
+    pub seed: u64,
+    /// Default: the target's MLP width.
+    pub intermediate_size: Option<i64>,
+    /// Default: the target's language-model rope_theta.
+    pub rope_theta: Option<f64>,
+    /// Standard deviation of the matrix entries.
+    pub init_std: f64,
+    /// Stored dtype: F32, BF16 or F16.
+    pub dtype: Kind,
+}
+
+impl HeadSpec {
+    pub fn new(layers: usize, block_size: usize, seed: u64) -> Self {
+        Self {
+            layers,
+            block_size,
+            tap_layers: None,
+            mask_token_id: None,
+            seed,
+            intermediate_size: None,
+            rope_theta: None,
+            init_std: 0.02,
+            dtype: Kind::Float,
+        }
+    }
+}
+
+/// Writes `out_dir/config.json` and `out_dir/model.safetensors` for a random head fitting the
+/// target in `target_dir`, and returns the config as the loader reads it back.
+pub fn write_random_head(
+    target_dir: &Path,
+    out_dir: &Path,
+    spec: &HeadSpec,
+) -> Result<DraftHeadConfig, InitError> {
+    let target = TargetDims::read(target_dir)?;
+    check_spec(spec, &target)?;
+    let taps = spec
+        .tap_layers
+        .clone()
+        .unwrap_or_else(|| build_target_layer_ids(target.num_layers, spec.layers));
+    if let Some(&bad) = taps.iter().find(|&&t| t >= target.num_layers) {
+        return Err(InitError::Spec(format!(
+            "tap layer {bad}, but the target has {} layers",
+            target.num_layers
+        )));
+    }
+    let mask = match spec.mask_token_id {
+        Some(id) => id,
+        None => vision_pad_id(target_dir)?,
+    };
+    if !(0..target.vocab_size).contains(&mask) {
+        return Err(InitError::Spec(format!(
+            "mask token {mask} outside the vocabulary of {}",
+            target.vocab_size
+        )));
+    }
+    let config = head_config_json(&target, spec, &taps, mask);
+    std::fs::create_dir_all(out_dir).map_err(|e| write_err(out_dir, e))?;
+    let config_path = out_dir.join("config.json");
+    let text = serde_json::to_string_pretty(&config).expect("a JSON value always serializes");
+    std::fs::write(&config_path, text + "\n").map_err(|e| write_err(&config_path, e))?;
+    let weights_path = out_dir.join("model.safetensors");
+    let tensors = random_weights(&target, spec, taps.len() as i64);
+    Tensor::write_safetensors(&tensors, &weights_path).map_err(|e| write_err(&weights_path, e))?;
+    Ok(DraftHeadConfig::load(out_dir, Some(target.num_layers))?)
+}
+
+fn check_spec(spec: &HeadSpec, target: &TargetDims) -> Result<(), InitError> {
+    if spec.layers == 0 || spec.block_size < 2 {
+        return Err(InitError::Spec(
+            "need at least one layer and a block of at least 2".into(),
+        ));
+    }
+    if !matches!(spec.dtype, Kind::Float | Kind::BFloat16 | Kind::Half) {
+        return Err(InitError::Spec(format!("dtype {:?}", spec.dtype)));
+    }
+    if spec.tap_layers.as_ref().is_some_and(|t| t.is_empty()) {
+        return Err(InitError::Spec("empty tap layer list".into()));
+    }
+    if target.num_layers < 4 && spec.tap_layers.is_none() {
+        // DFlash's rule spreads taps over layers 1..n−3, which needs at least 4 target layers.
+        return Err(InitError::Spec(format!(
+            "the target has {} layers; name the tap layers explicitly",
+            target.num_layers
+        )));
+    }
+    Ok(())
+}
+
+fn write_err(path: &Path, e: impl std::fmt::Display) -> InitError {
+    InitError::Write {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
+}
+
+/// The id of `<|vision_pad|>` among the target tokenizer's added tokens.
+fn vision_pad_id(target_dir: &Path) -> Result<i64, InitError> {
+    const TOKEN: &str = "<|vision_pad|>";
+    let tokenizer = read_json(&target_dir.join("tokenizer.json"))?;
+    tokenizer
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .and_then(|tokens| {
+            tokens
+                .iter()
+                .find(|t| t.get("content").and_then(Value::as_str) == Some(TOKEN))
+        })
+        .and_then(|t| t.get("id").and_then(Value::as_i64))
+        .ok_or_else(|| {
+            InitError::Spec(format!(
+                "the target tokenizer has no {TOKEN}; pass mask_token_id"
+            ))
+        })
+}
+
+/// `config.json` in the spelling of the public DFlash checkpoints (Qwen3Config keys, DFlash's
+/// `block_size` and `dflash_config`).
+fn head_config_json(target: &TargetDims, spec: &HeadSpec, taps: &[usize], mask: i64) -> Value {
+    let dtype = match spec.dtype {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    };
+    json!({
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "block_size": spec.block_size,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": taps},
+        "dtype": dtype,
+        "head_dim": target.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": target.hidden_size,
+        "initializer_range": spec.init_std,
+        "intermediate_size": spec.intermediate_size.unwrap_or(target.intermediate_size),
+        "layer_types": vec!["full_attention"; spec.layers],
+        "max_position_embeddings": 40960,
+        "num_attention_heads": target.num_heads,
+        "num_hidden_layers": spec.layers,
+        "num_key_value_heads": target.num_kv_heads,
+        "num_target_layers": target.num_layers,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_scaling": null,
+        "rope_theta": spec.rope_theta.unwrap_or(target.rope_theta),
+        "sliding_window": null,
+        "tie_word_embeddings": false,
+        "use_cache": true,
+        "use_sliding_window": false,
+        "vocab_size": target.vocab_size,
+    })
+}
+
+/// Every tensor of the head, by DFlash name, in the stored dtype.
+fn random_weights(target: &TargetDims, spec: &HeadSpec, taps: i64) -> Vec<(String, Tensor)> {
+    let d = target.hidden_size;
+    let inter = spec.intermediate_size.unwrap_or(target.intermediate_size);
+    let q_dim = target.num_heads * target.head_dim;
+    let kv_dim = target.num_kv_heads * target.head_dim;
+    let mut shapes: Vec<(String, Vec<i64>)> = vec![
+        ("fc.weight".into(), vec![d, taps * d]),
+        ("hidden_norm.weight".into(), vec![d]),
+        ("norm.weight".into(), vec![d]),
+    ];
+    for i in 0..spec.layers {
+        let p = format!("layers.{i}");
+        shapes.extend([
+            (format!("{p}.self_attn.q_proj.weight"), vec![q_dim, d]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv_dim, d]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv_dim, d]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![d, q_dim]),
+            (
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![target.head_dim],
+            ),
+            (
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![target.head_dim],
+            ),
+            (format!("{p}.mlp.gate_proj.weight"), vec![inter, d]),
+            (format!("{p}.mlp.up_proj.weight"), vec![inter, d]),
+            (format!("{p}.mlp.down_proj.weight"), vec![d, inter]),
+            (format!("{p}.input_layernorm.weight"), vec![d]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![d]),
+        ]);
+    }
+    shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let tensor = if shape.len() == 1 {
+                Tensor::ones(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
+            } else {
+                normal_matrix(&name, &shape, spec)
+            };
+            (name, tensor.to_kind(spec.dtype))
+        })
+        .collect()
+}
+
+/// N(0, std) entries from a stream seeded by (seed, tensor name), so one tensor's values do not
+/// depend on which others exist.
+fn normal_matrix(name: &str, shape: &[i64], spec: &HeadSpec) -> Tensor {
+    let count: i64 = shape.iter().product();
+    let mut rng = SplitMix64::new(spec.seed ^ name_hash(name));
+    let values: Vec<f32> = (0..count)
+        .map(|_| (rng.standard_normal() * spec.init_std) as f32)
+        .collect();
+    Tensor::from_slice(&values).view(shape)
+}
+
+/// FNV-1a of the name: a stable per-tensor seed offset.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// SplitMix64 (Steele et al.): tiny, fast, and enough for initial weights.
+struct SplitMix64 {
+    state: u64,
+}
+
+impl SplitMix64 {
+    fn new(seed: u64) -> Self {
+        Self { state: seed }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1]: never 0, so the logarithm below is finite.
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Box–Muller (one of the pair; simplicity over speed).
+    fn standard_normal(&mut self) -> f64 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normal_stream_is_deterministic_and_sane() {
+        let mut a = SplitMix64::new(7);
+        let mut b = SplitMix64::new(7);
+        let xs: Vec<f64> = (0..20000).map(|_| a.standard_normal()).collect();
+        let ys: Vec<f64> = (0..20000).map(|_| b.standard_normal()).collect();
+        assert_eq!(xs, ys);
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(mean.abs() < 0.03, "mean {mean}");
+        assert!((var - 1.0).abs() < 0.05, "variance {var}");
+        assert_ne!(name_hash("fc.weight"), name_hash("norm.weight"));
+    }
+}

@@ -1,0 +1,239 @@
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use drafter_svc::session::DraftEngine;
+use drafter_svc::{engines, service::DrafterService, testing};
+use glance_common::weights::{parse_device, parse_kind};
+use glance_proto::v1 as pb;
+use tch::{Device, Kind};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+#[derive(Parser)]
+#[command(
+    name = "drafter-svc",
+    version,
+    about = "glance drafter: block-diffusion draft head and candidate trees over gRPC"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the internal Drafter API.
+    Serve(ServeArgs),
+    /// Write a randomly initialized draft head for a target (a starting point for training).
+    Init(InitArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Kind_ {
+    /// The GLANCE block head (needs --head and --target).
+    BlockHead,
+    /// Prompt-lookup n-gram drafting (no weights).
+    PromptLookup,
+    /// Test drafter: the known greedy continuation (needs --oracle-file).
+    TestOracle,
+    /// Test drafter: random trees.
+    TestGarbage,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[arg(
+        long,
+        env = "GLANCE_DRAFTER_KIND",
+        value_enum,
+        default_value = "block-head"
+    )]
+    kind: Kind_,
+    /// Draft head directory (config.json + model.safetensors, DFlash layout).
+    #[arg(long, env = "GLANCE_DRAFTER_HEAD")]
+    head: Option<PathBuf>,
+    /// Target model directory: its embedding and LM head are read from here, and its
+    /// fingerprint is checked against the verifier's.
+    #[arg(long, env = "GLANCE_DRAFTER_TARGET")]
+    target: Option<PathBuf>,
+    #[arg(long, env = "GLANCE_DRAFTER_DEVICE", default_value = "cpu")]
+    device: String,
+    /// `f32`, `bf16`, `f16` or `auto` (f32 on CPU, bf16 on CUDA).
+    #[arg(long, env = "GLANCE_DRAFTER_DTYPE", default_value = "auto")]
+    dtype: String,
+    #[arg(long, env = "GLANCE_DRAFTER_LISTEN", default_value = "127.0.0.1:50061")]
+    listen: std::net::SocketAddr,
+    /// Context positions one session may hold.
+    #[arg(long, env = "GLANCE_DRAFTER_MAX_CONTEXT", default_value_t = 32768)]
+    max_context: usize,
+    /// Test drafters: block size and vocabulary.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value_t = 0)]
+    vocab_size: u32,
+    /// Test oracle: JSON array of token sequences (prompt + greedy continuation).
+    #[arg(long)]
+    oracle_file: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Test garbage drafter: share of trees that break the protocol.
+    #[arg(long, default_value_t = 0.0)]
+    malformed_rate: f64,
+    /// Fault injection: every N-th round of a session stalls for --stall-ms first (0: never).
+    #[arg(long, default_value_t = 0)]
+    stall_every: usize,
+    #[arg(long, default_value_t = 0)]
+    stall_ms: u64,
+}
+
+#[derive(clap::Args)]
+struct InitArgs {
+    /// Target model directory the head is for.
+    #[arg(long)]
+    target: PathBuf,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Target layers to read (default: the DFlash rule for the target's depth).
+    #[arg(long, value_delimiter = ',')]
+    taps: Option<Vec<usize>>,
+    /// Token id used as the mask (must not be a token the model produces).
+    #[arg(long)]
+    mask_token_id: Option<i64>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let result = match Cli::parse().command {
+        Command::Serve(args) => serve(args).await,
+        Command::Init(args) => init(args),
+    };
+    if let Err(e) = result {
+        eprintln!("drafter-svc: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn device_and_kind(device: &str, dtype: &str) -> Result<(Device, Kind), String> {
+    let device = parse_device(device)
+        .ok_or_else(|| format!("--device {device:?}: expected cpu, cuda or cuda:N"))?;
+    let kind = match dtype {
+        "auto" if device == Device::Cpu => Kind::Float,
+        "auto" => Kind::BFloat16,
+        name => parse_kind(name)
+            .ok_or_else(|| format!("--dtype {name:?}: expected auto, f32, bf16 or f16"))?,
+    };
+    Ok((device, kind))
+}
+
+fn build_engine(
+    args: &ServeArgs,
+    device: Device,
+    kind: Kind,
+) -> Result<Box<dyn DraftEngine>, String> {
+    let need = |what: &Option<PathBuf>, flag: &str| {
+        what.clone()
+            .ok_or_else(|| format!("--kind {:?} needs {flag}", args.kind))
+    };
+    let engine: Box<dyn DraftEngine> = match args.kind {
+        Kind_::BlockHead => {
+            let head = need(&args.head, "--head")?;
+            let target = need(&args.target, "--target")?;
+            Box::new(
+                engines::BlockHeadEngine::load(&head, &target, kind, device, args.max_context)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        Kind_::PromptLookup => {
+            let target = need(&args.target, "--target")?;
+            Box::new(
+                engines::PromptLookupEngine::for_target(&target, args.block_size)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        Kind_::TestOracle => {
+            let file = need(&args.oracle_file, "--oracle-file")?;
+            let text =
+                std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            Box::new(testing::OracleEngine::from_json(
+                &text,
+                args.block_size,
+                args.vocab_size,
+                args.seed,
+            )?)
+        }
+        Kind_::TestGarbage => Box::new(testing::GarbageEngine::new(
+            args.block_size,
+            args.vocab_size,
+            args.seed,
+            args.malformed_rate,
+        )),
+    };
+    if args.stall_every > 0 {
+        return Ok(Box::new(testing::StallingEngine {
+            inner: engine,
+            every: args.stall_every,
+            delay: Duration::from_millis(args.stall_ms),
+        }));
+    }
+    Ok(engine)
+}
+
+async fn serve(args: ServeArgs) -> Result<(), String> {
+    let (device, kind) = device_and_kind(&args.device, &args.dtype)?;
+    let engine: Arc<dyn DraftEngine> = Arc::from(build_engine(&args, device, kind)?);
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<pb::drafter_server::DrafterServer<DrafterService>>()
+        .await;
+    let drafter = pb::drafter_server::DrafterServer::new(DrafterService::new(engine, device))
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
+    // Scripts and tests wait for this line.
+    println!("drafter-svc listening on {addr}");
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_service)
+        .add_service(drafter)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn init(args: InitArgs) -> Result<(), String> {
+    let spec = drafter_svc::init::HeadSpec {
+        tap_layers: args.taps,
+        mask_token_id: args.mask_token_id,
+        ..drafter_svc::init::HeadSpec::new(args.layers, args.block_size, args.seed)
+    };
+    drafter_svc::init::write_random_head(&args.target, &args.out, &spec)
+        .map_err(|e| e.to_string())?;
+    println!("wrote a random draft head to {}", args.out.display());
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term.recv() => {},
+    }
+}

@@ -1,0 +1,166 @@
+//! The internal `glance.v1.Drafter` gRPC service: a handshake that states what this drafter is
+//! (and refuses a verifier whose target it was not built for), and one bidirectional stream per
+//! generation whose session runs on its own thread.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use glance_proto::v1 as pb;
+use tch::Device;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::session::{DraftEngine, DraftError, RoundInput, Session};
+
+pub struct DrafterService {
+    engine: Arc<dyn DraftEngine>,
+    /// Device the tap states are moved to before drafting.
+    device: Device,
+}
+
+impl DrafterService {
+    pub fn new(engine: Arc<dyn DraftEngine>, device: Device) -> Self {
+        Self { engine, device }
+    }
+}
+
+impl From<DraftError> for Status {
+    fn from(e: DraftError) -> Self {
+        match e {
+            DraftError::ContextGap { .. }
+            | DraftError::RootPosition { .. }
+            | DraftError::States(_) => Status::invalid_argument(e.to_string()),
+            DraftError::Capacity(_) => Status::resource_exhausted(e.to_string()),
+            DraftError::Internal(_) => Status::internal(e.to_string()),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::drafter_server::Drafter for DrafterService {
+    async fn handshake(
+        &self,
+        request: Request<pb::HandshakeRequest>,
+    ) -> Result<Response<pb::HandshakeResponse>, Status> {
+        let theirs = request.into_inner().target_fingerprint;
+        let ours = self.engine.handshake();
+        if !ours.target_fingerprint.is_empty()
+            && !theirs.is_empty()
+            && theirs != ours.target_fingerprint
+        {
+            return Err(Status::failed_precondition(format!(
+                "this drafter was built for target {}, the verifier serves {theirs}",
+                ours.target_fingerprint
+            )));
+        }
+        Ok(Response::new(ours))
+    }
+
+    type DraftStream = ReceiverStream<Result<pb::DraftResponse, Status>>;
+
+    async fn draft(
+        &self,
+        request: Request<Streaming<pb::DraftRequest>>,
+    ) -> Result<Response<Self::DraftStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (replies, stream) = mpsc::channel(4);
+        let (work, queue) = std::sync::mpsc::channel::<pb::DraftRequest>();
+        let session = self.engine.new_session();
+        let device = self.device;
+        let worker_replies = replies.clone();
+        // The session (and its draft KV cache) lives on this thread until the stream ends.
+        std::thread::Builder::new()
+            .name("draft-session".into())
+            .spawn(move || run_session(session, queue, worker_replies, device))
+            .map_err(|e| {
+                Status::resource_exhausted(format!("cannot start a draft session: {e}"))
+            })?;
+        tokio::spawn(async move {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(message)) => {
+                        if work.send(message).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(status) => {
+                        tracing::debug!(%status, "draft stream ended by the verifier");
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(stream)))
+    }
+}
+
+fn run_session(
+    mut session: Box<dyn Session>,
+    queue: std::sync::mpsc::Receiver<pb::DraftRequest>,
+    replies: mpsc::Sender<Result<pb::DraftResponse, Status>>,
+    device: Device,
+) {
+    let _no_grad = tch::no_grad_guard();
+    for message in queue {
+        match handle(session.as_mut(), message, device) {
+            Ok(None) => {}
+            Ok(Some(response)) => {
+                if replies.blocking_send(Ok(response)).is_err() {
+                    return;
+                }
+            }
+            Err(status) => {
+                // The stream's state is unknown after an error: report it and end the session.
+                let _ = replies.blocking_send(Err(status));
+                return;
+            }
+        }
+    }
+}
+
+/// Appends the context rows and, on a round message, drafts a tree.
+fn handle(
+    session: &mut dyn Session,
+    message: pb::DraftRequest,
+    device: Device,
+) -> Result<Option<pb::DraftResponse>, Status> {
+    let started = Instant::now();
+    if let Some(context) = message.context {
+        let states = match &context.states {
+            Some(data) => Some(
+                glance_common::wire::decode(data, device)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
+            ),
+            None => None,
+        };
+        if let Some(states) = &states {
+            if states.size().first().copied() != Some(context.tokens.len() as i64) {
+                return Err(Status::invalid_argument(format!(
+                    "context has {} tokens but states of shape {:?}",
+                    context.tokens.len(),
+                    states.size()
+                )));
+            }
+        }
+        session.append_context(context.first_position as usize, &context.tokens, states)?;
+    }
+    let Some(round) = message.round else {
+        return Ok(None);
+    };
+    let input = RoundInput {
+        root_token: round.root_token,
+        root_position: round.root_position as usize,
+        budget: round.tree_budget.max(1) as usize,
+        branch_k: round.branch_k.max(1) as usize,
+    };
+    let tree = session.draft(&input)?;
+    Ok(Some(pb::DraftResponse {
+        tokens: tree.tokens,
+        parents: tree.parents,
+        depths: tree.depths,
+        log_probs: tree.log_probs,
+        draft_ms: started.elapsed().as_secs_f64() * 1e3,
+    }))
+}

@@ -1,0 +1,295 @@
+//! Test drafters that exercise the verifier's extremes through the real protocol:
+//! - `oracle`: knows the greedy continuation of each prompt (from a reference file) and returns it
+//!   as the top branch, with random siblings: accepted length at the block limit, deep commits,
+//!   compaction of long paths, stop handling inside an accepted run.
+//! - `garbage`: random trees, and with `malformed_rate` > 0 some trees that break the protocol
+//!   (bad parent, token out of the vocabulary, too many nodes) and must be refused.
+
+use std::sync::Arc;
+
+use glance_proto::v1 as pb;
+use tch::Tensor;
+
+use crate::session::{DraftEngine, DraftError, RoundInput, Session, TokenHistory, Tree};
+
+/// SplitMix64: a tiny seeded generator, enough for test trees.
+#[derive(Clone)]
+pub struct SplitMix(u64);
+
+impl SplitMix {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// Common handshake fields of the test drafters.
+fn handshake(kind: pb::DrafterKind, block_size: u32, vocab_size: u32) -> pb::HandshakeResponse {
+    pb::HandshakeResponse {
+        kind: kind as i32,
+        block_size,
+        mask_token_id: 0,
+        tap_layers: vec![],
+        hidden_size: 0,
+        vocab_size,
+        dtype: "f32".into(),
+        target_fingerprint: String::new(),
+        max_tree_nodes: 1024,
+    }
+}
+
+pub struct OracleEngine {
+    /// Full sequences: prompt tokens followed by the greedy output.
+    sequences: Arc<Vec<Vec<u32>>>,
+    block_size: usize,
+    vocab_size: u32,
+    seed: u64,
+}
+
+impl OracleEngine {
+    /// `sequences_json`: a JSON array of token arrays (prompt + greedy continuation).
+    pub fn from_json(
+        text: &str,
+        block_size: usize,
+        vocab_size: u32,
+        seed: u64,
+    ) -> Result<Self, String> {
+        let sequences: Vec<Vec<u32>> = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        Ok(Self {
+            sequences: Arc::new(sequences),
+            block_size,
+            vocab_size,
+            seed,
+        })
+    }
+}
+
+impl DraftEngine for OracleEngine {
+    fn handshake(&self) -> pb::HandshakeResponse {
+        handshake(
+            pb::DrafterKind::TestOracle,
+            self.block_size as u32,
+            self.vocab_size,
+        )
+    }
+
+    fn new_session(&self) -> Box<dyn Session> {
+        Box::new(OracleSession {
+            sequences: Arc::clone(&self.sequences),
+            history: TokenHistory::default(),
+            block_size: self.block_size,
+            vocab_size: self.vocab_size,
+            rng: SplitMix::new(self.seed),
+        })
+    }
+}
+
+struct OracleSession {
+    sequences: Arc<Vec<Vec<u32>>>,
+    history: TokenHistory,
+    block_size: usize,
+    vocab_size: u32,
+    rng: SplitMix,
+}
+
+impl Session for OracleSession {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[u32],
+        _: Option<Tensor>,
+    ) -> Result<(), DraftError> {
+        self.history.append(first, tokens)
+    }
+
+    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
+        self.history.check_root(round)?;
+        let sequence = self.history.with_root(round.root_token);
+        let truth: Vec<u32> = self
+            .sequences
+            .iter()
+            .find(|s| s.len() > sequence.len() && s.starts_with(&sequence))
+            .map(|s| {
+                s[sequence.len()..]
+                    .iter()
+                    .take(self.block_size - 1)
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default();
+        // The true path first, then random siblings hung off it until the budget is spent.
+        let mut tree = Tree::default();
+        let mut spine = Vec::new();
+        let mut parent = -1;
+        for &token in truth.iter().take(round.budget) {
+            parent = tree.push(token, parent, 0.0);
+            spine.push(parent);
+        }
+        while tree.len() < round.budget && !spine.is_empty() {
+            let at = spine[self.rng.below(spine.len() as u64) as usize];
+            let parent = tree.parents[at as usize];
+            let token = self.rng.below(self.vocab_size as u64) as u32;
+            if token != tree.tokens[at as usize] {
+                tree.push(token, parent, -5.0);
+            }
+        }
+        // Packed order requires parents first: siblings of spine nodes only reference earlier
+        // nodes (a spine node's parent precedes it), so the order above is already valid.
+        Ok(tree)
+    }
+}
+
+pub struct GarbageEngine {
+    block_size: usize,
+    vocab_size: u32,
+    seed: u64,
+    /// Share of rounds answered with a tree that breaks the protocol, in [0, 1].
+    malformed_rate: f64,
+}
+
+impl GarbageEngine {
+    pub fn new(block_size: usize, vocab_size: u32, seed: u64, malformed_rate: f64) -> Self {
+        Self {
+            block_size,
+            vocab_size,
+            seed,
+            malformed_rate,
+        }
+    }
+}
+
+impl DraftEngine for GarbageEngine {
+    fn handshake(&self) -> pb::HandshakeResponse {
+        handshake(
+            pb::DrafterKind::TestGarbage,
+            self.block_size as u32,
+            self.vocab_size,
+        )
+    }
+
+    fn new_session(&self) -> Box<dyn Session> {
+        Box::new(GarbageSession {
+            history: TokenHistory::default(),
+            block_size: self.block_size,
+            vocab_size: self.vocab_size,
+            malformed_rate: self.malformed_rate,
+            rng: SplitMix::new(self.seed),
+        })
+    }
+}
+
+struct GarbageSession {
+    history: TokenHistory,
+    block_size: usize,
+    vocab_size: u32,
+    malformed_rate: f64,
+    rng: SplitMix,
+}
+
+impl Session for GarbageSession {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[u32],
+        _: Option<Tensor>,
+    ) -> Result<(), DraftError> {
+        self.history.append(first, tokens)
+    }
+
+    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
+        self.history.check_root(round)?;
+        let mut tree = Tree::default();
+        let nodes = 1 + self.rng.below(round.budget.max(1) as u64) as usize;
+        for i in 0..nodes {
+            let parent = if i == 0 {
+                -1
+            } else {
+                self.rng.below(i as u64 + 1) as i32 - 1
+            };
+            if parent >= 0 && tree.depths[parent as usize] as usize >= self.block_size - 1 {
+                continue;
+            }
+            let token = self.rng.below(self.vocab_size as u64) as u32;
+            tree.push(token, parent, -1.0);
+        }
+        let roll = (self.rng.next_u64() % 1_000_000) as f64 / 1_000_000.0;
+        if roll < self.malformed_rate {
+            self.break_tree(&mut tree, round.budget);
+        }
+        Ok(tree)
+    }
+}
+
+impl GarbageSession {
+    fn break_tree(&mut self, tree: &mut Tree, budget: usize) {
+        match self.rng.below(3) {
+            0 => tree.parents[0] = tree.len() as i32 + 3,
+            1 => tree.tokens[0] = self.vocab_size + 7,
+            _ => {
+                while tree.len() <= budget {
+                    tree.push(1, -1, -1.0);
+                }
+            }
+        }
+    }
+}
+
+/// Wraps an engine so that every `every`-th round of a session stalls for `delay` first: the
+/// verifier's per-round deadline and fallback under a slow drafter.
+pub struct StallingEngine {
+    pub inner: Box<dyn DraftEngine>,
+    pub every: usize,
+    pub delay: std::time::Duration,
+}
+
+impl DraftEngine for StallingEngine {
+    fn handshake(&self) -> pb::HandshakeResponse {
+        self.inner.handshake()
+    }
+
+    fn new_session(&self) -> Box<dyn Session> {
+        Box::new(StallingSession {
+            inner: self.inner.new_session(),
+            every: self.every.max(1),
+            delay: self.delay,
+            rounds: 0,
+        })
+    }
+}
+
+struct StallingSession {
+    inner: Box<dyn Session>,
+    every: usize,
+    delay: std::time::Duration,
+    rounds: usize,
+}
+
+impl Session for StallingSession {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[u32],
+        states: Option<Tensor>,
+    ) -> Result<(), DraftError> {
+        self.inner.append_context(first, tokens, states)
+    }
+
+    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
+        self.rounds += 1;
+        if self.rounds.is_multiple_of(self.every) {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.draft(round)
+    }
+}

@@ -1,0 +1,169 @@
+//! Losslessness through both services as processes on loopback: for a suite of 52 prompts (26 per
+//! family, half with images, 64 new tokens, some stopping at EOS), every speculative mode returns
+//! exactly the greedy tokens — with a randomly initialized block head (misses), with an oracle
+//! drafter whose top branch is the true continuation (deep commits, compaction, EOS inside
+//! accepted runs), with a garbage drafter that also sends malformed trees, and with prompt lookup.
+
+use std::path::{Path, PathBuf};
+
+use glance_proto::v1 as pb;
+use glance_proto::v1::generation_client::GenerationClient;
+use glance_tests::fixtures;
+use glance_tests::process::ServiceProcess;
+use glance_tests::suite::{self, SuitePrompt};
+
+const PROMPTS_PER_FAMILY: usize = 26;
+const NEW_TOKENS: u32 = 64;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("glance-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn random_head(target: &Path, out: &Path) {
+    // The tiny targets are too shallow for DFlash's tap rule (layers 1..n-3): name the taps.
+    let spec = drafter_svc::init::HeadSpec {
+        tap_layers: Some(vec![0, 1, 2]),
+        ..drafter_svc::init::HeadSpec::new(2, 16, 7)
+    };
+    drafter_svc::init::write_random_head(target, out, &spec).expect("random head");
+}
+
+/// Sends every prompt in `mode`; asserts greedy-identical tokens; returns the summed stats.
+async fn run_suite(
+    url: &str,
+    suite: &[SuitePrompt],
+    mode: pb::DecodingMode,
+    what: &str,
+) -> pb::SpeculativeStats {
+    let mut client = GenerationClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    let mut total = pb::SpeculativeStats::default();
+    for (i, prompt) in suite.iter().enumerate() {
+        let response = client
+            .generate(suite::request(prompt, mode, 0))
+            .await
+            .expect(what)
+            .into_inner();
+        let tokens: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
+        assert_eq!(
+            tokens, prompt.greedy,
+            "{what}: prompt {i} differs from greedy decoding"
+        );
+        let stats = response.speculative.expect("speculative stats");
+        total.rounds += stats.rounds;
+        total.fallback_rounds += stats.fallback_rounds;
+        total.rejected_trees += stats.rejected_trees;
+        total.mean_accepted_length += stats.mean_accepted_length * stats.rounds as f64;
+    }
+    if total.rounds > 0 {
+        total.mean_accepted_length /= total.rounds as f64;
+    }
+    println!(
+        "{what}: {} prompts identical; {} rounds, tau {:.2}, {} fallback rounds, {} rejected trees",
+        suite.len(),
+        total.rounds,
+        total.mean_accepted_length,
+        total.fallback_rounds,
+        total.rejected_trees
+    );
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_speculative_mode_equals_greedy_through_both_services() {
+    let Some(root) = fixtures() else { return };
+    let scratch = scratch("lossless");
+    for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl"] {
+        let dir = root.join(family);
+        let prompts = suite::build(&dir, PROMPTS_PER_FAMILY, NEW_TOKENS);
+        let model = dir.to_str().unwrap();
+
+        // Prompt lookup runs inside the verifier.
+        let verifier = ServiceProcess::verifier(&dir, &[]);
+        run_suite(
+            &verifier.url,
+            &prompts,
+            pb::DecodingMode::PromptLookup,
+            &format!("{family} prompt lookup"),
+        )
+        .await;
+        drop(verifier);
+
+        let head = scratch.join(format!("{family}-head"));
+        random_head(&dir, &head);
+        let drafter = ServiceProcess::drafter(&[
+            "--kind",
+            "block-head",
+            "--head",
+            head.to_str().unwrap(),
+            "--target",
+            model,
+        ]);
+        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+        let tree = run_suite(
+            &verifier.url,
+            &prompts,
+            pb::DecodingMode::SpeculativeTree,
+            &format!("{family} random head, tree"),
+        )
+        .await;
+        assert!(
+            tree.rounds > 0 && tree.fallback_rounds == 0,
+            "the head drafted no rounds"
+        );
+        run_suite(
+            &verifier.url,
+            &prompts,
+            pb::DecodingMode::SpeculativeChain,
+            &format!("{family} random head, chain"),
+        )
+        .await;
+        drop((verifier, drafter));
+
+        let oracle_file = scratch.join(format!("{family}-oracle.json"));
+        std::fs::write(&oracle_file, suite::oracle_json(&prompts)).unwrap();
+        let drafter = ServiceProcess::drafter(&[
+            "--kind",
+            "test-oracle",
+            "--oracle-file",
+            oracle_file.to_str().unwrap(),
+            "--vocab-size",
+            "1024",
+        ]);
+        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+        let oracle = run_suite(
+            &verifier.url,
+            &prompts,
+            pb::DecodingMode::SpeculativeTree,
+            &format!("{family} oracle"),
+        )
+        .await;
+        assert!(
+            oracle.mean_accepted_length > 8.0,
+            "the oracle's true branch was not accepted: tau {}",
+            oracle.mean_accepted_length
+        );
+        drop((verifier, drafter));
+
+        let drafter = ServiceProcess::drafter(&[
+            "--kind",
+            "test-garbage",
+            "--vocab-size",
+            "1024",
+            "--malformed-rate",
+            "0.3",
+        ]);
+        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+        let garbage = run_suite(
+            &verifier.url,
+            &prompts,
+            pb::DecodingMode::SpeculativeTree,
+            &format!("{family} garbage"),
+        )
+        .await;
+        assert!(garbage.rejected_trees > 0, "no malformed tree was refused");
+    }
+}

@@ -1,0 +1,586 @@
+//! Speculative decoding rounds on the verifier: send the drafter the tap states of the positions
+//! just committed, get a candidate tree, verify root + tree in ONE target forward with an
+//! ancestor-only mask, walk the target's own argmax through matching children, commit that path
+//! plus the bonus token, and compact the KV cache to it. The committed tokens are exactly the
+//! greedy ones. When no drafter answers, a round is a plain greedy step, and drafting resumes
+//! (with the whole missed context re-sent) as soon as a drafter is back.
+
+use std::time::{Duration, Instant};
+
+use glance_common::decode::{
+    prefill_with_taps, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
+};
+use glance_common::kv_cache::KvCache;
+use glance_common::models::{LogitRows, ModelError, StepInput, TargetModel};
+use tch::{Kind, Tensor};
+
+/// A candidate tree as the drafter sent it (not yet trusted).
+#[derive(Clone, Debug, Default)]
+pub struct DraftTree {
+    pub tokens: Vec<i64>,
+    /// Node index of each node's parent, −1 for children of the root.
+    pub parents: Vec<i32>,
+    pub depths: Vec<u32>,
+    /// Drafter-side time for this round.
+    pub draft_time: Duration,
+}
+
+/// What the verifier sends in one round.
+pub struct DraftRound<'a> {
+    /// Stream index of the first context row.
+    pub first_position: usize,
+    /// Tokens at the context positions.
+    pub tokens: &'a [i64],
+    /// Tap states of the context positions (rows, taps·hidden), when the drafter reads them.
+    pub states: Option<&'a Tensor>,
+    pub root_token: i64,
+    pub root_position: usize,
+    pub budget: usize,
+    pub branch_k: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraftFailure {
+    #[error("drafter unavailable: {0}")]
+    Unavailable(String),
+    #[error("drafter missed the round deadline")]
+    Timeout,
+    #[error("malformed tree: {0}")]
+    Malformed(String),
+}
+
+/// One generation's drafting session (a stream to drafter-svc, or an in-process drafter).
+pub trait DraftSession {
+    /// Context positions the drafter already holds; the next round sends from here on.
+    fn context_len(&self) -> usize;
+    /// One round: new context rows plus the root, answered with a tree. Wire bytes sent are
+    /// reported through `bytes_sent`.
+    fn draft(&mut self, round: DraftRound) -> Result<DraftTree, DraftFailure>;
+    /// Serialized bytes sent so far (for the stats).
+    fn bytes_sent(&self) -> u64;
+}
+
+/// Opens drafting sessions; `None` while no drafter is reachable.
+pub trait DraftProvider {
+    fn open(&mut self) -> Option<Box<dyn DraftSession>>;
+    /// Target layers whose outputs the drafter reads (empty: none, e.g. prompt lookup).
+    fn tap_layers(&self) -> &[usize];
+    /// Largest depth a tree may have (block size − 1).
+    fn max_depth(&self) -> usize;
+}
+
+/// A provider with no drafter behind it: every round is a greedy step.
+pub struct NoDrafter;
+
+impl DraftProvider for NoDrafter {
+    fn open(&mut self) -> Option<Box<dyn DraftSession>> {
+        None
+    }
+
+    fn tap_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    fn max_depth(&self) -> usize {
+        1
+    }
+}
+
+/// Per-request speculative settings.
+#[derive(Clone, Copy, Debug)]
+pub struct SpecParams {
+    pub budget: usize,
+    pub branch_k: usize,
+}
+
+/// What the speculative run measured, for the response and the benchmarks.
+#[derive(Clone, Debug, Default)]
+pub struct SpecStats {
+    /// Verify rounds with a tree (drafted rounds).
+    pub rounds: usize,
+    /// Rounds decoded as plain greedy steps because no drafter answered.
+    pub fallback_rounds: usize,
+    /// Trees refused as malformed.
+    pub rejected_trees: usize,
+    /// accepted_per_depth[d] = rounds that accepted a node at depth d+1.
+    pub accepted_per_depth: Vec<u64>,
+    /// Tokens committed by drafted rounds (accepted + bonus), for τ.
+    pub committed_in_rounds: usize,
+    pub draft_time: Duration,
+    pub hop_time: Duration,
+    pub verify_time: Duration,
+    pub bytes_sent: u64,
+}
+
+impl SpecStats {
+    /// Mean tokens committed per drafted round (accepted + bonus).
+    pub fn tau(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            self.committed_in_rounds as f64 / self.rounds as f64
+        }
+    }
+}
+
+/// The committed-position history the drafter reads: token and tap states of every position.
+struct History {
+    tokens: Vec<i64>,
+    states: Option<Tensor>,
+    len: usize,
+}
+
+impl History {
+    fn new(capacity: usize, width: i64, model: &TargetModel) -> Self {
+        let states = (width > 0)
+            .then(|| Tensor::zeros([capacity as i64, width], (model.kind(), model.device())));
+        Self {
+            tokens: Vec::with_capacity(capacity),
+            states,
+            len: 0,
+        }
+    }
+
+    fn push(&mut self, tokens: &[i64], states: Option<&Tensor>) {
+        if let (Some(store), Some(rows)) = (&self.states, states) {
+            store
+                .narrow(0, self.len as i64, tokens.len() as i64)
+                .copy_(rows);
+        }
+        self.tokens.extend_from_slice(tokens);
+        self.len += tokens.len();
+    }
+
+    fn states_from(&self, start: usize) -> Option<Tensor> {
+        self.states
+            .as_ref()
+            .map(|s| s.narrow(0, start as i64, (self.len - start) as i64))
+    }
+}
+
+/// Commits tokens exactly as greedy decoding would, reporting whether generation ended.
+struct Committer<'a, F: FnMut(i64) -> StepControl> {
+    tokens: Vec<i64>,
+    params: &'a GreedyParams<'a>,
+    on_token: F,
+    finish: Option<FinishKind>,
+    prompt_len: usize,
+    /// Prompt + generated positions allowed (the greedy decoder's cache capacity).
+    limit: usize,
+}
+
+impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
+    /// Commits one token with the greedy decoder's checks in its order; returns false once
+    /// generation has ended.
+    fn commit(&mut self, token: i64) -> bool {
+        self.tokens.push(token);
+        // What the greedy decoder's cache would hold now: the prompt and all but this token.
+        let cache_len = self.prompt_len + self.tokens.len() - 1;
+        self.finish = if self.params.eos_token_ids.contains(&token) {
+            Some(FinishKind::Eos)
+        } else if (self.on_token)(token) == StepControl::Stop {
+            Some(FinishKind::Stopped)
+        } else if self.tokens.len() >= self.params.max_new_tokens {
+            Some(FinishKind::Length)
+        } else if cache_len >= self.limit {
+            Some(FinishKind::Context)
+        } else {
+            None
+        };
+        self.finish.is_none()
+    }
+}
+
+/// Speculative generation. Produces exactly the tokens of [`glance_common::decode::greedy_generate`].
+pub fn speculative_generate(
+    model: &TargetModel,
+    inputs: &ModelInputs,
+    params: &GreedyParams,
+    spec: SpecParams,
+    provider: &mut dyn DraftProvider,
+    on_token: impl FnMut(i64) -> StepControl,
+) -> Result<(Generation, SpecStats), ModelError> {
+    let _no_grad = tch::no_grad_guard();
+    let started = Instant::now();
+    let prompt_len = inputs.input_ids.len();
+    let limit = (prompt_len + params.max_new_tokens).min(params.context_limit);
+    if prompt_len >= limit {
+        return Err(ModelError::Input(format!(
+            "prompt of {prompt_len} tokens leaves no room in a context of {}",
+            params.context_limit
+        )));
+    }
+    let taps: Vec<usize> = provider.tap_layers().to_vec();
+    let max_depth = provider.max_depth();
+    // The verify pass appends root + tree before compaction: room for the largest tree.
+    let mut cache = model.new_cache(limit + spec.budget + 1);
+    let width = taps.len() as i64 * model.text_config().hidden_size;
+    let mut history = History::new(limit + 1, width, model);
+    let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
+    history.push(&inputs.input_ids, prompt_states.as_ref());
+    let mut root = glance_common::decode::argmax_last(&logits);
+    let prefill_time = started.elapsed();
+    let decode_started = Instant::now();
+    let mut stats = SpecStats {
+        accepted_per_depth: vec![0; max_depth],
+        ..Default::default()
+    };
+    let mut committer = Committer {
+        tokens: Vec::new(),
+        params,
+        on_token,
+        finish: None,
+        prompt_len,
+        limit,
+    };
+    let mut session = provider.open();
+    let mut alive = committer.commit(root);
+    while alive {
+        let start = cache.len();
+        let tree = match session.as_mut() {
+            Some(s) => request_tree(s.as_mut(), &history, root, start, spec, &mut stats),
+            None => None,
+        };
+        let round = match tree {
+            Some(tree) => match check_tree(
+                &tree,
+                spec.budget,
+                max_depth,
+                model.text_config().vocab_size,
+            ) {
+                Ok(()) => Some(tree),
+                Err(reason) => {
+                    tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
+                    stats.rejected_trees += 1;
+                    None
+                }
+            },
+            None => {
+                // A failed session is dropped; the next round tries a fresh one.
+                if session.is_some() {
+                    session = None;
+                }
+                None
+            }
+        };
+        let verify_started = Instant::now();
+        let (committed, states) = match round {
+            Some(tree) => {
+                let (path_tokens, states) =
+                    verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps)?;
+                // path_tokens = [root, accepted…, bonus]: this round committed all but the root.
+                let accepted = path_tokens.len() - 2;
+                stats.rounds += 1;
+                stats.committed_in_rounds += accepted + 1;
+                for count in &mut stats.accepted_per_depth[..accepted] {
+                    *count += 1;
+                }
+                (path_tokens, states)
+            }
+            None => {
+                stats.fallback_rounds += 1;
+                greedy_step(model, &mut cache, inputs.rope_delta, root, &taps)?
+            }
+        };
+        stats.verify_time += verify_started.elapsed();
+        // committed = [root, accepted…, bonus]; the cache now holds root + accepted.
+        let new_positions = committed.len() - 1;
+        history.push(&committed[..new_positions], states.as_ref());
+        for &token in &committed[1..] {
+            alive = committer.commit(token);
+            if !alive {
+                break;
+            }
+        }
+        root = *committed
+            .last()
+            .expect("a round commits at least the bonus");
+        if session.is_none() && alive {
+            session = provider.open();
+        }
+    }
+    if let Some(s) = &session {
+        stats.bytes_sent += s.bytes_sent();
+    }
+    let generation = Generation {
+        tokens: committer.tokens,
+        finish: committer.finish.unwrap_or(FinishKind::Length),
+        prefill_time,
+        decode_time: decode_started.elapsed(),
+    };
+    Ok((generation, stats))
+}
+
+/// Sends the context the session lacks plus the root; `None` when the drafter failed.
+fn request_tree(
+    session: &mut dyn DraftSession,
+    history: &History,
+    root: i64,
+    start: usize,
+    spec: SpecParams,
+    stats: &mut SpecStats,
+) -> Option<DraftTree> {
+    let from = session.context_len();
+    let states = history.states_from(from);
+    let round = DraftRound {
+        first_position: from,
+        tokens: &history.tokens[from..history.len],
+        states: states.as_ref(),
+        root_token: root,
+        root_position: start,
+        budget: spec.budget,
+        branch_k: spec.branch_k,
+    };
+    let asked = Instant::now();
+    match session.draft(round) {
+        Ok(tree) => {
+            let total = asked.elapsed();
+            stats.draft_time += tree.draft_time;
+            stats.hop_time += total.saturating_sub(tree.draft_time);
+            Some(tree)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "drafting failed; decoding this round without a drafter");
+            stats.hop_time += asked.elapsed();
+            stats.bytes_sent += session.bytes_sent();
+            None
+        }
+    }
+}
+
+/// Refuses trees that would make the verify pass wrong or unbounded.
+pub fn check_tree(
+    tree: &DraftTree,
+    budget: usize,
+    max_depth: usize,
+    vocab: i64,
+) -> Result<(), String> {
+    let n = tree.tokens.len();
+    if tree.parents.len() != n || tree.depths.len() != n {
+        return Err(format!(
+            "{n} tokens, {} parents, {} depths",
+            tree.parents.len(),
+            tree.depths.len()
+        ));
+    }
+    if n > budget {
+        return Err(format!("{n} nodes over the budget of {budget}"));
+    }
+    for i in 0..n {
+        let (token, parent, depth) = (tree.tokens[i], tree.parents[i], tree.depths[i] as usize);
+        if token < 0 || token >= vocab {
+            return Err(format!("node {i}: token {token} outside the vocabulary"));
+        }
+        if parent < -1 || parent >= i as i32 {
+            return Err(format!("node {i}: parent {parent} is not an earlier node"));
+        }
+        let parent_depth = if parent < 0 {
+            0
+        } else {
+            tree.depths[parent as usize] as usize
+        };
+        if depth != parent_depth + 1 || depth > max_depth {
+            return Err(format!(
+                "node {i}: depth {depth} under a parent at depth {parent_depth}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The additive mask (1+N, prefix+1+N): every row sees the whole prefix, and inside the pack
+/// only itself and its ancestors.
+fn tree_mask(prefix: usize, parents: &[i32], kind: Kind, device: tch::Device) -> Tensor {
+    let pack = parents.len() + 1;
+    let mut visible = vec![false; pack * pack];
+    visible[0] = true;
+    for (i, &parent) in parents.iter().enumerate() {
+        let (row, parent_row) = (i + 1, (parent + 1) as usize);
+        let (from, to) = (parent_row * pack, row * pack);
+        for col in 0..pack {
+            visible[to + col] = visible[from + col];
+        }
+        visible[to + row] = true;
+    }
+    let blocked: Vec<f32> = visible
+        .iter()
+        .map(|&v| if v { 0.0 } else { f32::NEG_INFINITY })
+        .collect();
+    let pack_part = Tensor::from_slice(&blocked).view([pack as i64, pack as i64]);
+    let prefix_part = Tensor::zeros(
+        [pack as i64, prefix as i64],
+        (Kind::Float, tch::Device::Cpu),
+    );
+    Tensor::cat(&[prefix_part, pack_part], 1)
+        .to_device(device)
+        .to_kind(kind)
+}
+
+/// One target pass over root + tree, the acceptance walk and the KV compaction. Returns the
+/// committed tokens [root, accepted…, bonus] and the tap states of [root, accepted…].
+fn verify_round(
+    model: &TargetModel,
+    cache: &mut KvCache,
+    rope_delta: i64,
+    root: i64,
+    tree: &DraftTree,
+    taps: &[usize],
+) -> Result<(Vec<i64>, Option<Tensor>), ModelError> {
+    let start = cache.len();
+    let device = model.device();
+    let ids: Vec<i64> = std::iter::once(root)
+        .chain(tree.tokens.iter().copied())
+        .collect();
+    let positions: Vec<i64> = std::iter::once(0)
+        .chain(tree.depths.iter().map(|&d| d as i64))
+        .map(|d| start as i64 + d + rope_delta)
+        .collect();
+    let n = ids.len() as i64;
+    let positions = Tensor::from_slice(&positions)
+        .view([1, n])
+        .expand([3, n], false)
+        .contiguous()
+        .to_device(device);
+    let ids_t = Tensor::from_slice(&ids).to_device(device);
+    let mask = tree_mask(start, &tree.parents, model.kind(), device);
+    let step = StepInput {
+        token_ids: &ids_t,
+        positions: &positions,
+        mask: Some(&mask),
+        vision: None,
+        taps,
+        logits: LogitRows::All,
+    };
+    let out = model.forward(&step, cache)?;
+    let choices = Vec::<i64>::try_from(
+        out.logits
+            .expect("logits were requested")
+            .to_kind(Kind::Float)
+            .argmax(-1, false),
+    )
+    .expect("argmax is a 1-D int64 tensor");
+    let (path, bonus) = walk(&tree.tokens, &tree.parents, &choices);
+    let keep: Vec<usize> = std::iter::once(0)
+        .chain(path.iter().map(|&i| i + 1))
+        .collect();
+    cache.keep_rows(start, &keep)?;
+    let states = gather_states(&out.taps, &keep, device);
+    let mut committed = vec![root];
+    committed.extend(path.iter().map(|&i| tree.tokens[i]));
+    committed.push(bonus);
+    Ok((committed, states))
+}
+
+/// Follows the target's argmax from the root through children with that token. Returns the node
+/// indices of the accepted path and the bonus token (the argmax where no child matches).
+pub fn walk(tokens: &[i64], parents: &[i32], argmax_per_row: &[i64]) -> (Vec<usize>, i64) {
+    let mut path = Vec::new();
+    let mut cursor: i32 = -1;
+    loop {
+        let wanted = argmax_per_row[(cursor + 1) as usize];
+        let next = (0..tokens.len()).find(|&i| parents[i] == cursor && tokens[i] == wanted);
+        match next {
+            Some(i) => {
+                path.push(i);
+                cursor = i as i32;
+            }
+            None => return (path, wanted),
+        }
+    }
+}
+
+/// One plain greedy step (no drafter): forward the root, keep its tap states.
+fn greedy_step(
+    model: &TargetModel,
+    cache: &mut KvCache,
+    rope_delta: i64,
+    root: i64,
+    taps: &[usize],
+) -> Result<(Vec<i64>, Option<Tensor>), ModelError> {
+    let device = model.device();
+    let position = cache.len() as i64 + rope_delta;
+    let ids = Tensor::from_slice(&[root]).to_device(device);
+    let positions = Tensor::from_slice(&[position; 3])
+        .view([3, 1])
+        .to_device(device);
+    let step = StepInput {
+        token_ids: &ids,
+        positions: &positions,
+        mask: None,
+        vision: None,
+        taps,
+        logits: LogitRows::Last,
+    };
+    let out = model.forward(&step, cache)?;
+    let next =
+        glance_common::decode::argmax_last(out.logits.as_ref().expect("logits were requested"));
+    Ok((vec![root, next], gather_states(&out.taps, &[0], device)))
+}
+
+/// Rows `keep` of the tapped states, concatenated over taps: (keep, taps·hidden).
+fn gather_states(taps: &[Tensor], keep: &[usize], device: tch::Device) -> Option<Tensor> {
+    if taps.is_empty() {
+        return None;
+    }
+    let index: Vec<i64> = keep.iter().map(|&k| k as i64).collect();
+    let index = Tensor::from_slice(&index).to_device(device);
+    let rows: Vec<Tensor> = taps.iter().map(|t| t.index_select(0, &index)).collect();
+    Some(Tensor::cat(&rows, -1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn walk_follows_matching_children_and_returns_the_bonus() {
+        // root → a(0) → c(2); root → b(1)
+        let tokens = [10, 11, 12];
+        let parents = [-1, -1, 0];
+        // rows: root, a, b, c
+        assert_eq!(walk(&tokens, &parents, &[10, 12, 99, 7]), (vec![0, 2], 7));
+        assert_eq!(walk(&tokens, &parents, &[11, 0, 5, 0]), (vec![1], 5));
+        assert_eq!(walk(&tokens, &parents, &[42, 0, 0, 0]), (vec![], 42));
+    }
+
+    #[test]
+    fn tree_mask_shows_prefix_and_ancestors_only() {
+        let mask = tree_mask(2, &[-1, -1, 0], Kind::Float, tch::Device::Cpu);
+        let visible: Vec<Vec<bool>> = (0..4)
+            .map(|r| (0..6).map(|c| mask.double_value(&[r, c]) == 0.0).collect())
+            .collect();
+        assert_eq!(visible[0], [true, true, true, false, false, false]);
+        assert_eq!(visible[1], [true, true, true, true, false, false]);
+        assert_eq!(visible[2], [true, true, true, false, true, false]);
+        assert_eq!(visible[3], [true, true, true, true, false, true]);
+    }
+
+    #[test]
+    fn malformed_trees_are_refused() {
+        let good = DraftTree {
+            tokens: vec![1, 2],
+            parents: vec![-1, 0],
+            depths: vec![1, 2],
+            ..Default::default()
+        };
+        assert!(check_tree(&good, 4, 15, 10).is_ok());
+        let forward_parent = DraftTree {
+            parents: vec![1, -1],
+            depths: vec![2, 1],
+            ..good.clone()
+        };
+        assert!(check_tree(&forward_parent, 4, 15, 10).is_err());
+        let out_of_vocab = DraftTree {
+            tokens: vec![1, 10],
+            ..good.clone()
+        };
+        assert!(check_tree(&out_of_vocab, 4, 15, 10).is_err());
+        assert!(check_tree(&good, 1, 15, 10).is_err());
+        let wrong_depth = DraftTree {
+            depths: vec![1, 3],
+            ..good.clone()
+        };
+        assert!(check_tree(&wrong_depth, 4, 15, 10).is_err());
+        assert!(check_tree(&good, 4, 1, 10).is_err());
+    }
+}
