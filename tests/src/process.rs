@@ -13,20 +13,24 @@ pub struct ServiceProcess {
     pub url: String,
 }
 
-/// The release binaries next to the test executable (`target/release/deps/..` → `target/release`).
+/// A service binary of this build: next to the running executable (a bench binary in
+/// `target/release`) or one level up (a test in `target/release/deps`).
 pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target profile directory");
-    let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is not built: run `cargo build --release --workspace --bins`",
-        path.display()
-    );
-    path
+    let exe = std::env::current_exe().expect("executable path");
+    let dir = exe.parent().expect("executable directory");
+    let candidates = [
+        dir.join(name),
+        dir.parent().map(|p| p.join(name)).unwrap_or_default(),
+    ];
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "{name} is not built next to {}: run `cargo build --release --workspace --bins`",
+                dir.display()
+            )
+        })
 }
 
 impl ServiceProcess {

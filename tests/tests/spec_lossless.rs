@@ -146,6 +146,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             "the oracle's true branch was not accepted: tau {}",
             oracle.mean_accepted_length
         );
+        stop_strings_inside_accepted_runs(&verifier.url, &prompts, family).await;
         drop((verifier, drafter));
 
         let drafter = ServiceProcess::drafter(&[
@@ -166,4 +167,40 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         .await;
         assert!(garbage.rejected_trees > 0, "no malformed tree was refused");
     }
+}
+
+/// A stop string that falls inside a 16-token accepted run ends the output exactly where greedy
+/// decoding with the same stop string ends it.
+async fn stop_strings_inside_accepted_runs(url: &str, prompts: &[SuitePrompt], family: &str) {
+    let mut client = GenerationClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    let mut checked = 0;
+    for prompt in prompts.iter().filter(|p| p.ignore_eos) {
+        let mut ar = suite::request(prompt, pb::DecodingMode::Autoregressive, 0);
+        let full = client.generate(ar.clone()).await.unwrap().into_inner().text;
+        let chars: Vec<char> = full.chars().collect();
+        if chars.len() < 30 {
+            continue;
+        }
+        let stop: String = chars[20..23].iter().collect();
+        ar.stop = vec![stop.clone()];
+        let mut spec = suite::request(prompt, pb::DecodingMode::SpeculativeTree, 0);
+        spec.stop = vec![stop.clone()];
+        let greedy = client.generate(ar).await.unwrap().into_inner();
+        let speculative = client.generate(spec).await.unwrap().into_inner();
+        assert_eq!(speculative.text, greedy.text, "{family}: stop {stop:?}");
+        assert_eq!(
+            speculative.token_ids, greedy.token_ids,
+            "{family}: stop {stop:?}"
+        );
+        assert_eq!(speculative.finish_reason, pb::FinishReason::Stop as i32);
+        assert!(!greedy.text.contains(&stop));
+        checked += 1;
+    }
+    assert!(
+        checked >= 5,
+        "{family}: only {checked} prompts were long enough for a stop-string check"
+    );
+    println!("{family}: stop strings inside accepted runs honoured on {checked} prompts");
 }

@@ -65,7 +65,7 @@ struct ConnectionState {
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(250);
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 impl RemoteDrafter {
     pub fn new(

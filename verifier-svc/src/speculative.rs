@@ -234,6 +234,7 @@ pub fn speculative_generate(
         limit,
     };
     let mut session = provider.open();
+    let mut retry = Retry::default();
     let mut alive = committer.commit(root);
     while alive {
         let start = cache.len();
@@ -256,9 +257,9 @@ pub fn speculative_generate(
                 }
             },
             None => {
-                // A failed session is dropped; the next round tries a fresh one.
-                if session.is_some() {
-                    session = None;
+                // A failed session is dropped; a fresh one is tried after a few greedy rounds.
+                if session.take().is_some() {
+                    retry.failed();
                 }
                 None
             }
@@ -295,8 +296,13 @@ pub fn speculative_generate(
         root = *committed
             .last()
             .expect("a round commits at least the bonus");
-        if session.is_none() && alive {
+        if session.is_none() && alive && retry.due() {
             session = provider.open();
+            if session.is_none() {
+                retry.failed();
+            }
+        } else if session.is_some() {
+            retry.succeeded();
         }
     }
     if let Some(s) = &session {
@@ -309,6 +315,32 @@ pub fn speculative_generate(
         decode_time: decode_started.elapsed(),
     };
     Ok((generation, stats))
+}
+
+/// When to try a drafter again after it failed: after 1, 2, 4 … 32 greedy rounds, so a drafter
+/// that keeps timing out does not get the whole context re-sent every round.
+#[derive(Default)]
+struct Retry {
+    wait: u32,
+    streak: u32,
+}
+
+impl Retry {
+    fn failed(&mut self) {
+        self.streak = (self.streak + 1).min(6);
+        self.wait = 1 << (self.streak - 1);
+    }
+
+    fn succeeded(&mut self) {
+        self.streak = 0;
+        self.wait = 0;
+    }
+
+    /// Counts one greedy round down; true once the wait is over.
+    fn due(&mut self) -> bool {
+        self.wait = self.wait.saturating_sub(1);
+        self.wait == 0
+    }
 }
 
 /// Sends the context the session lacks plus the root; `None` when the drafter failed.

@@ -17,7 +17,14 @@ pub struct TextAssembler<D> {
     detokenizer: D,
     stops: Vec<String>,
     ids: Vec<u32>,
-    /// Bytes of the decoded text already handed out.
+    /// Decoded text so far (only complete characters).
+    text: String,
+    /// Incremental decoding window, as TGI does it: the tokens from `prefix_offset` are decoded
+    /// again each step (so merges and spaces come out right) and the text past what
+    /// `prefix_offset..read_offset` decodes to is new. Cost per token stays constant.
+    prefix_offset: usize,
+    read_offset: usize,
+    /// Bytes of `text` already handed out.
     emitted: usize,
     stopped: bool,
 }
@@ -38,6 +45,9 @@ impl<D: Detokenize> TextAssembler<D> {
             detokenizer,
             stops,
             ids: Vec::new(),
+            text: String::new(),
+            prefix_offset: 0,
+            read_offset: 0,
             emitted: 0,
             stopped: false,
         }
@@ -52,18 +62,26 @@ impl<D: Detokenize> TextAssembler<D> {
             };
         }
         self.ids.push(id);
-        let text = self.detokenizer.detokenize(&self.ids);
-        if let Some(cut) = self.first_stop(&text) {
+        self.decode_new_text(false);
+        if let Some(cut) = self.first_stop() {
             self.stopped = true;
-            let piece = text.get(self.emitted..cut).unwrap_or_default().to_string();
+            let piece = self
+                .text
+                .get(self.emitted..cut)
+                .unwrap_or_default()
+                .to_string();
             self.emitted = cut;
             return Piece {
                 text: piece,
                 stop: true,
             };
         }
-        let safe = self.safe_end(&text);
-        let piece = text.get(self.emitted..safe).unwrap_or_default().to_string();
+        let safe = self.safe_end();
+        let piece = self
+            .text
+            .get(self.emitted..safe)
+            .unwrap_or_default()
+            .to_string();
         self.emitted = self.emitted.max(safe);
         Piece {
             text: piece,
@@ -76,15 +94,35 @@ impl<D: Detokenize> TextAssembler<D> {
         if self.stopped {
             return String::new();
         }
-        let text = self.detokenizer.detokenize(&self.ids);
-        let end = text.trim_end_matches('\u{FFFD}').len().max(self.emitted);
-        let rest = text.get(self.emitted..end).unwrap_or_default().to_string();
-        self.emitted = end;
+        self.decode_new_text(true);
+        let rest = self
+            .text
+            .get(self.emitted..)
+            .unwrap_or_default()
+            .to_string();
+        self.emitted = self.text.len();
         rest
     }
 
-    fn first_stop(&self, text: &str) -> Option<usize> {
+    /// Appends the text the newest tokens completed. While the newest tokens end inside a UTF-8
+    /// character (the decoder yields U+FFFD), nothing is appended unless `flush`.
+    fn decode_new_text(&mut self, flush: bool) {
+        let prefix = self
+            .detokenizer
+            .detokenize(&self.ids[self.prefix_offset..self.read_offset]);
+        let window = self.detokenizer.detokenize(&self.ids[self.prefix_offset..]);
+        let complete = !window.ends_with('\u{FFFD}');
+        if window.len() > prefix.len() && (complete || flush) {
+            let new = window.get(prefix.len()..).unwrap_or_default();
+            self.text.push_str(new.trim_end_matches('\u{FFFD}'));
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+        }
+    }
+
+    fn first_stop(&self) -> Option<usize> {
         // Only the unemitted tail (plus overlap) can hold a new match.
+        let text = &self.text;
         let from = floor_char_boundary(text, self.emitted.saturating_sub(self.longest_stop()));
         self.stops
             .iter()
@@ -96,10 +134,10 @@ impl<D: Detokenize> TextAssembler<D> {
         self.stops.iter().map(String::len).max().unwrap_or(0)
     }
 
-    /// End of the text that is final: no trailing partial character, and no suffix that is a
-    /// prefix of a stop string.
-    fn safe_end(&self, text: &str) -> usize {
-        let mut end = text.trim_end_matches('\u{FFFD}').len();
+    /// End of the text that is final: no suffix that is a prefix of a stop string.
+    fn safe_end(&self) -> usize {
+        let text = &self.text;
+        let mut end = text.len();
         for stop in &self.stops {
             for len in (1..stop.len()).rev() {
                 if let Some(prefix) = stop.get(..len) {
@@ -173,11 +211,19 @@ mod tests {
 
     #[test]
     fn partial_utf8_waits_for_its_last_byte() {
-        let mut asm = assembler(&["caf", "\u{FFFD}", "é"], &[]);
-        assert_eq!(asm.push(0).text, "caf");
-        // The table is literal here: a real tokenizer yields U+FFFD for an incomplete character.
-        assert_eq!(asm.push(1).text, "");
+        // Byte-level tokens, decoded like a byte-level BPE decoder does.
+        let detok = |ids: &[u32]| {
+            String::from_utf8_lossy(&ids.iter().map(|&b| b as u8).collect::<Vec<_>>()).into_owned()
+        };
+        let mut asm = TextAssembler::new(detok, vec![]);
+        let pieces: Vec<String> = "café!".bytes().map(|b| asm.push(b as u32).text).collect();
+        assert_eq!(pieces, ["c", "a", "f", "", "é", "!"]);
         assert_eq!(asm.finish(), "");
+        // A generation that ends inside a character flushes what there is.
+        let mut cut = TextAssembler::new(detok, vec![]);
+        assert_eq!(cut.push(b'x' as u32).text, "x");
+        assert_eq!(cut.push(0xC3).text, "");
+        assert_eq!(cut.finish(), "");
     }
 
     #[test]
