@@ -429,3 +429,93 @@ async fn a_disconnected_client_stops_its_generation() {
         "the next request waited {waited:?}; the abandoned generation had ~{remaining:?} of work left"
     );
 }
+
+/// Runs `verifier-svc ARGS…` expecting it to refuse to start: returns its stderr.
+fn refused_start(args: &[&str]) -> String {
+    let output = std::process::Command::new(glance_tests::process::binary("verifier-svc"))
+        .args(args)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .expect("running verifier-svc");
+    assert!(
+        !output.status.success(),
+        "verifier-svc started with {args:?}"
+    );
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn a_missing_or_inconsistent_model_directory_stops_the_start_up() {
+    let Some(root) = fixtures() else { return };
+    let missing = refused_start(&["--model", "/nonexistent/model"]);
+    assert!(
+        missing.contains("model directory /nonexistent/model"),
+        "{missing}"
+    );
+    assert!(!missing.contains("panicked"), "{missing}");
+
+    // A config whose layer width disagrees with the weights.
+    let broken = std::env::temp_dir().join(format!("glance-broken-model-{}", std::process::id()));
+    std::fs::create_dir_all(&broken).unwrap();
+    let source = root.join("tiny-qwen3-vl");
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, broken.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let config = std::fs::read_to_string(source.join("config.json")).unwrap();
+    std::fs::write(
+        broken.join("config.json"),
+        config.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96"),
+    )
+    .unwrap();
+    let inconsistent = refused_start(&["--model", broken.to_str().unwrap()]);
+    assert!(
+        inconsistent.contains("mlp") && inconsistent.contains("shape"),
+        "{inconsistent}"
+    );
+    assert!(!inconsistent.contains("panicked"), "{inconsistent}");
+
+    std::fs::remove_file(broken.join("model.safetensors")).unwrap();
+    let no_weights = refused_start(&["--model", broken.to_str().unwrap()]);
+    assert!(no_weights.contains("model.safetensors"), "{no_weights}");
+}
+
+#[test]
+fn a_drafter_built_for_another_target_is_refused_at_start_up() {
+    let Some(root) = fixtures() else { return };
+    // Same vocabulary and width, another target: only the fingerprint tells them apart.
+    let other = root.join("tiny-qwen2.5-vl");
+    let drafter = ServiceProcess::drafter(&[
+        "--kind",
+        "prompt-lookup",
+        "--target",
+        other.to_str().unwrap(),
+    ]);
+    let head = std::env::temp_dir().join(format!("glance-mismatch-head-{}", std::process::id()));
+    let spec = drafter_svc::init::HeadSpec {
+        tap_layers: Some(vec![0, 1, 2]),
+        ..drafter_svc::init::HeadSpec::new(1, 16, 1)
+    };
+    drafter_svc::init::write_random_head(&other, &head, &spec).unwrap();
+    let head_drafter = ServiceProcess::drafter(&[
+        "--kind",
+        "block-head",
+        "--head",
+        head.to_str().unwrap(),
+        "--target",
+        other.to_str().unwrap(),
+    ]);
+    let model = root.join("tiny-qwen3-vl");
+    let refused = refused_start(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--drafter",
+        &head_drafter.url,
+    ]);
+    assert!(refused.contains("does not fit this target"), "{refused}");
+    // Prompt lookup works with any target of the same vocabulary, so it is accepted.
+    let accepted = ServiceProcess::verifier(&model, &["--drafter", &drafter.url]);
+    drop(accepted);
+}

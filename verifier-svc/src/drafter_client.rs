@@ -240,7 +240,9 @@ pub fn check_handshake(
     if handshake.block_size < 2 {
         return mismatch(format!("block size {}", handshake.block_size));
     }
-    let wire_kind = glance_common::weights::parse_kind(&handshake.dtype).unwrap_or(target.kind);
+    // The states are computed in the target's dtype: bf16/f16 targets send half the bytes, and
+    // sending wider than computed would add nothing. The drafter converts to its own dtype.
+    let wire_kind = target.kind;
     let tap_layers = handshake.tap_layers.iter().map(|&l| l as usize).collect();
     Ok(DrafterInfo {
         handshake,

@@ -1,11 +1,12 @@
-//! `glance`: a small command-line client of the public API (generate, stream, model info).
+//! `glance`: a small command-line client of the public API (generate, stream, compare, model info).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
+use tonic::transport::Channel;
 
 #[derive(Parser)]
 #[command(name = "glance", version, about = "Client for a glance verifier-svc")]
@@ -23,8 +24,32 @@ enum Command {
     Generate(GenerateArgs),
     /// Like generate, printing text as it streams in.
     Stream(GenerateArgs),
+    /// The same request autoregressively and in --mode; prints the answer, tau and the speed-up.
+    Compare(GenerateArgs),
     /// Prints the served model and its limits.
     Info,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Mode {
+    /// The server's default.
+    Default,
+    Autoregressive,
+    Tree,
+    Chain,
+    PromptLookup,
+}
+
+impl Mode {
+    fn proto(self) -> pb::DecodingMode {
+        match self {
+            Self::Default => pb::DecodingMode::Unspecified,
+            Self::Autoregressive => pb::DecodingMode::Autoregressive,
+            Self::Tree => pb::DecodingMode::SpeculativeTree,
+            Self::Chain => pb::DecodingMode::SpeculativeChain,
+            Self::PromptLookup => pb::DecodingMode::PromptLookup,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -43,6 +68,11 @@ struct GenerateArgs {
     /// Stop strings.
     #[arg(long = "stop")]
     stop: Vec<String>,
+    #[arg(long, value_enum, default_value = "default")]
+    mode: Mode,
+    /// Tree budget (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    tree_budget: u32,
     /// Print the response as JSON (token ids included).
     #[arg(long)]
     json: bool,
@@ -57,7 +87,9 @@ async fn main() {
     }
 }
 
-async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+type Error = Box<dyn std::error::Error>;
+
+async fn run(cli: Cli) -> Result<(), Error> {
     let mut client = GenerationClient::connect(cli.addr.clone())
         .await?
         .max_decoding_message_size(64 * 1024 * 1024);
@@ -70,47 +102,103 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             println!("{info:#?}");
         }
         Command::Generate(args) => {
-            let request = build_request(&args)?;
             let started = Instant::now();
-            let response = client.generate(request).await?.into_inner();
+            let response = client
+                .generate(build_request(&args, args.mode)?)
+                .await?
+                .into_inner();
             if args.json {
                 print_json(&response);
             } else {
                 println!("{}", response.text);
-                print_summary(
-                    response.finish_reason,
-                    response.usage,
-                    response.timings,
-                    started,
-                );
+                print_summary(&response, started);
             }
         }
-        Command::Stream(args) => {
-            let request = build_request(&args)?;
-            let started = Instant::now();
-            let mut stream = client.generate_stream(request).await?.into_inner();
-            let mut last = None;
-            while let Some(chunk) = stream.message().await? {
-                use std::io::Write;
-                print!("{}", chunk.text);
-                std::io::stdout().flush()?;
-                if chunk.finish_reason != 0 {
-                    last = Some(chunk);
-                }
-            }
-            println!();
-            if let Some(last) = last {
-                print_summary(last.finish_reason, last.usage, last.timings, started);
-            }
-        }
+        Command::Stream(args) => stream(&mut client, &args).await?,
+        Command::Compare(args) => compare(&mut client, &args).await?,
     }
     Ok(())
 }
 
-fn build_request(args: &GenerateArgs) -> Result<pb::GenerateRequest, Box<dyn std::error::Error>> {
+async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
+    use std::io::Write;
+    let started = Instant::now();
+    let mut stream = client
+        .generate_stream(build_request(args, args.mode)?)
+        .await?
+        .into_inner();
+    let mut last = pb::GenerateResponse::default();
+    while let Some(chunk) = stream.message().await? {
+        print!("{}", chunk.text);
+        std::io::stdout().flush()?;
+        last.token_ids.extend(chunk.token_ids);
+        if chunk.finish_reason != 0 {
+            last.finish_reason = chunk.finish_reason;
+            last.usage = chunk.usage;
+            last.timings = chunk.timings;
+            last.speculative = chunk.speculative;
+        }
+    }
+    println!();
+    print_summary(&last, started);
+    Ok(())
+}
+
+/// Autoregressive first, then the requested mode (tree by default): the speed-up is the ratio of
+/// decode milliseconds per token, both measured by the server on this request.
+async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
+    let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) {
+        Mode::Tree
+    } else {
+        args.mode
+    };
+    let started = Instant::now();
+    let ar = client
+        .generate(build_request(args, Mode::Autoregressive)?)
+        .await?
+        .into_inner();
+    let spec = client
+        .generate(build_request(args, mode)?)
+        .await?
+        .into_inner();
+    println!("{}", spec.text);
+    print_summary(&spec, started);
+    let identical = ar.token_ids == spec.token_ids;
+    let per_token = |r: &pb::GenerateResponse| {
+        let t = r.timings.unwrap_or_default();
+        let n = r
+            .usage
+            .unwrap_or_default()
+            .generated_tokens
+            .saturating_sub(1)
+            .max(1);
+        t.decode_ms / n as f64
+    };
+    let (ar_ms, spec_ms) = (per_token(&ar), per_token(&spec));
+    let tau = spec
+        .speculative
+        .map(|s| s.mean_accepted_length)
+        .unwrap_or(1.0);
+    println!(
+        "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to greedy: {identical}",
+        mode.proto().as_str_name(),
+        ar_ms / spec_ms
+    );
+    if !identical {
+        return Err("speculative output differs from greedy decoding".into());
+    }
+    Ok(())
+}
+
+fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest, Error> {
     let mut messages = Vec::new();
     if let Some(system) = &args.system {
-        messages.push(text_message("system", system));
+        messages.push(pb::ChatMessage {
+            role: "system".into(),
+            content: vec![pb::ContentPart {
+                part: Some(pb::content_part::Part::Text(system.clone())),
+            }],
+        });
     }
     let mut content = Vec::new();
     for path in &args.images {
@@ -134,30 +222,20 @@ fn build_request(args: &GenerateArgs) -> Result<pb::GenerateRequest, Box<dyn std
         messages,
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.clone(),
-        decoding: None,
+        decoding: Some(pb::DecodingOptions {
+            mode: mode.proto() as i32,
+            tree_budget: args.tree_budget,
+            ..Default::default()
+        }),
     })
 }
 
-fn text_message(role: &str, text: &str) -> pb::ChatMessage {
-    pb::ChatMessage {
-        role: role.into(),
-        content: vec![pb::ContentPart {
-            part: Some(pb::content_part::Part::Text(text.into())),
-        }],
-    }
-}
-
-fn print_summary(
-    finish: i32,
-    usage: Option<pb::Usage>,
-    timings: Option<pb::Timings>,
-    started: Instant,
-) {
-    let finish = pb::FinishReason::try_from(finish)
+fn print_summary(response: &pb::GenerateResponse, started: Instant) {
+    let finish = pb::FinishReason::try_from(response.finish_reason)
         .map(|f| f.as_str_name())
         .unwrap_or("?");
-    let usage = usage.unwrap_or_default();
-    let timings = timings.unwrap_or_default();
+    let usage = response.usage.unwrap_or_default();
+    let timings = response.timings.unwrap_or_default();
     println!(
         "-- finish {finish} | prompt {} tokens ({} image) | generated {} | prefill {:.1} ms | decode {:.1} ms ({:.1} tok/s) | wall {:.1} ms",
         usage.prompt_tokens,
@@ -168,17 +246,35 @@ fn print_summary(
         timings.decode_tokens_per_second,
         started.elapsed().as_secs_f64() * 1e3
     );
+    if let Some(s) = &response.speculative {
+        println!(
+            "-- {} | rounds {} | tau {:.2} | draft {:.1} ms, hop {:.1} ms, verify {:.1} ms | {} fallback rounds",
+            pb::DecodingMode::try_from(s.mode).map(|m| m.as_str_name()).unwrap_or("?"),
+            s.rounds,
+            s.mean_accepted_length,
+            s.draft_ms,
+            s.hop_ms,
+            s.verify_ms,
+            s.fallback_rounds
+        );
+    }
 }
 
 fn print_json(response: &pb::GenerateResponse) {
     let usage = response.usage.unwrap_or_default();
     let timings = response.timings.unwrap_or_default();
+    let spec = response.speculative.clone().unwrap_or_default();
     let value = serde_json::json!({
         "text": response.text,
         "token_ids": response.token_ids,
         "finish_reason": pb::FinishReason::try_from(response.finish_reason).map(|f| f.as_str_name()).unwrap_or("?"),
         "usage": {"prompt_tokens": usage.prompt_tokens, "image_tokens": usage.image_tokens, "generated_tokens": usage.generated_tokens},
         "timings": {"prefill_ms": timings.prefill_ms, "decode_ms": timings.decode_ms, "decode_tokens_per_second": timings.decode_tokens_per_second},
+        "speculative": response.speculative.as_ref().map(|_| serde_json::json!({
+            "rounds": spec.rounds, "tau": spec.mean_accepted_length, "accepted_per_depth": spec.accepted_per_depth,
+            "draft_ms": spec.draft_ms, "hop_ms": spec.hop_ms, "verify_ms": spec.verify_ms,
+            "bytes_to_drafter": spec.bytes_to_drafter, "fallback_rounds": spec.fallback_rounds,
+        })),
     });
     println!("{value}");
 }
