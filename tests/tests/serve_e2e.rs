@@ -224,6 +224,10 @@ async fn health_reflection_and_model_info() {
         names.contains(&"grpc.health.v1.Health".to_string()),
         "{names:?}"
     );
+    assert!(
+        !names.iter().any(|n| n.contains("Drafter")),
+        "the internal service is advertised: {names:?}"
+    );
 
     let info = connect(&server.url)
         .await
