@@ -34,6 +34,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python tests/reference/make_reference.py --out "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_dflash_reference.py \
     --target "$GLANCE_FIXTURES/tiny-qwen3-vl" --out "$GLANCE_FIXTURES/tiny-qwen3-vl-dflash"
+  # Readable by the containers' non-root user too (save_pretrained writes 0600).
+  chmod -R a+rX "$GLANCE_FIXTURES"
   echo "$want" > "$stamp"
 fi
 

@@ -81,7 +81,9 @@ pub fn greedy_generate(
         )));
     }
     let mut cache = model.new_cache(capacity);
+    let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let logits = prefill(model, inputs, &mut cache)?;
+    drop(prefill_span);
     let mut next = argmax_last(&logits);
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
@@ -103,9 +105,7 @@ pub fn greedy_generate(
         }
         let position = (cache.len() as i64) + inputs.rope_delta;
         let ids = Tensor::from_slice(&[next]).to_device(device);
-        let positions = Tensor::from_slice(&[position; 3])
-            .view([3, 1])
-            .to_device(device);
+        let positions = Tensor::from_slice(&[position; 3]).view([3, 1]).to_device(device);
         let step = StepInput {
             token_ids: &ids,
             positions: &positions,
@@ -117,12 +117,7 @@ pub fn greedy_generate(
         let out = model.forward(&step, &mut cache)?;
         next = argmax_last(out.logits.as_ref().expect("logits were requested"));
     };
-    Ok(Generation {
-        tokens,
-        finish,
-        prefill_time,
-        decode_time: decode_started.elapsed(),
-    })
+    Ok(Generation { tokens, finish, prefill_time, decode_time: decode_started.elapsed() })
 }
 
 /// Runs the vision tower and the prompt forward; returns the last row's logits (1, vocab).
@@ -167,9 +162,5 @@ pub fn prefill_with_taps(
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
 pub fn argmax_last(logits: &Tensor) -> i64 {
     let rows = logits.size()[0];
-    logits
-        .get(rows - 1)
-        .to_kind(Kind::Float)
-        .argmax(0, false)
-        .int64_value(&[])
+    logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false).int64_value(&[])
 }

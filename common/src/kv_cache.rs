@@ -56,10 +56,7 @@ impl KvCache {
     pub fn ensure_room(&self, new_rows: usize) -> Result<(), CacheError> {
         let needed = self.len + new_rows;
         if needed > self.capacity {
-            return Err(CacheError::Full {
-                needed,
-                capacity: self.capacity,
-            });
+            return Err(CacheError::Full { needed, capacity: self.capacity });
         }
         Ok(())
     }
@@ -72,10 +69,7 @@ impl KvCache {
         let start = self.len as i64;
         self.keys[layer].narrow(1, start, n).copy_(k);
         self.values[layer].narrow(1, start, n).copy_(v);
-        (
-            self.keys[layer].narrow(1, 0, start + n),
-            self.values[layer].narrow(1, 0, start + n),
-        )
+        (self.keys[layer].narrow(1, 0, start + n), self.values[layer].narrow(1, 0, start + n))
     }
 
     /// Commits the rows written by the last forward pass.
@@ -92,13 +86,12 @@ impl KvCache {
     /// increasing), moved down to `start..start+keep.len()` in order; then the cache ends there.
     /// This is the compaction of a verified tree to its committed path.
     pub fn keep_rows(&mut self, start: usize, keep: &[usize]) -> Result<(), CacheError> {
-        let tail = self.len.checked_sub(start).ok_or_else(|| {
-            CacheError::BadRows(format!("start {start} beyond cache length {}", self.len))
-        })?;
+        let tail = self
+            .len
+            .checked_sub(start)
+            .ok_or_else(|| CacheError::BadRows(format!("start {start} beyond cache length {}", self.len)))?;
         if keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&k| k >= tail) {
-            return Err(CacheError::BadRows(format!(
-                "rows {keep:?} not increasing within 0..{tail}"
-            )));
+            return Err(CacheError::BadRows(format!("rows {keep:?} not increasing within 0..{tail}")));
         }
         let is_prefix = keep.iter().enumerate().all(|(i, &k)| i == k);
         if !is_prefix {
@@ -127,10 +120,7 @@ mod tests {
 
     fn append(cache: &mut KvCache, values: &[f32]) {
         let n = values.len() as i64;
-        let k = Tensor::from_slice(values)
-            .view([1, n, 1])
-            .expand([2, n, 3], false)
-            .contiguous();
+        let k = Tensor::from_slice(values).view([1, n, 1]).expand([2, n, 3], false).contiguous();
         for layer in 0..2 {
             let _ = cache.write(layer, &k, &k);
         }

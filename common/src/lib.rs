@@ -6,5 +6,7 @@ pub mod decode;
 pub mod input;
 pub mod kv_cache;
 pub mod models;
+pub mod telemetry;
+pub mod toyworld;
 pub mod weights;
 pub mod wire;

@@ -14,16 +14,9 @@ pub enum WeightsError {
     #[error("cannot read {path}: {reason}")]
     Read { path: PathBuf, reason: String },
     #[error("tensor {name} is missing from the checkpoint (also looked for {alternatives:?})")]
-    Missing {
-        name: String,
-        alternatives: Vec<String>,
-    },
+    Missing { name: String, alternatives: Vec<String> },
     #[error("tensor {name} has shape {actual:?}, the config implies {expected:?}")]
-    Shape {
-        name: String,
-        expected: Vec<i64>,
-        actual: Vec<i64>,
-    },
+    Shape { name: String, expected: Vec<i64>, actual: Vec<i64> },
 }
 
 /// Parses a dtype name as used on the command line and in configs.
@@ -58,17 +51,11 @@ impl Checkpoint {
     pub fn open(dir: &Path, kind: Kind, device: Device) -> Result<Self, WeightsError> {
         let mut tensors = HashMap::new();
         for file in weight_files(dir)? {
-            let loaded = Tensor::read_safetensors(&file).map_err(|e| WeightsError::Read {
-                path: file.clone(),
-                reason: e.to_string(),
-            })?;
+            let loaded = Tensor::read_safetensors(&file)
+                .map_err(|e| WeightsError::Read { path: file.clone(), reason: e.to_string() })?;
             tensors.extend(loaded);
         }
-        Ok(Self {
-            tensors,
-            kind,
-            device,
-        })
+        Ok(Self { tensors, kind, device })
     }
 
     /// Takes a weight by its transformers-5.x name (`model.language_model.*`, `model.visual.*`,
@@ -93,19 +80,13 @@ impl Checkpoint {
             .find_map(|candidate| self.tensors.remove(&candidate));
         match found {
             Some(t) => Ok(t.to_device(self.device).to_kind(self.kind)),
-            None => Err(WeightsError::Missing {
-                name: name.to_string(),
-                alternatives,
-            }),
+            None => Err(WeightsError::Missing { name: name.to_string(), alternatives }),
         }
     }
 
     /// Whether a tensor exists under either layout (optional weights such as biases, lm_head).
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-            || legacy_names(name)
-                .iter()
-                .any(|n| self.tensors.contains_key(n))
+        self.tensors.contains_key(name) || legacy_names(name).iter().any(|n| self.tensors.contains_key(n))
     }
 
     pub fn kind(&self) -> Kind {
@@ -128,26 +109,15 @@ impl Checkpoint {
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| WeightsError::Read {
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| WeightsError::Read { path: index.clone(), reason: e.to_string() })?;
+        let parsed: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| WeightsError::Read { path: index.clone(), reason: e.to_string() })?;
+        let map = parsed.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| WeightsError::Read {
             path: index.clone(),
-            reason: e.to_string(),
+            reason: "no weight_map object".into(),
         })?;
-        let parsed: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| WeightsError::Read {
-                path: index.clone(),
-                reason: e.to_string(),
-            })?;
-        let map = parsed
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| WeightsError::Read {
-                path: index.clone(),
-                reason: "no weight_map object".into(),
-            })?;
-        let mut files: Vec<String> = map
-            .values()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect();
+        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
         files.sort();
         files.dedup();
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
@@ -203,13 +173,9 @@ pub fn read_named_tensors(
 /// dtype when the values are exactly representable, and the same for the 4.x and 5.x layouts.
 pub fn target_fingerprint(dir: &Path) -> Result<String, WeightsError> {
     let config_path = dir.join("config.json");
-    let read_err = |reason: String| WeightsError::Read {
-        path: config_path.clone(),
-        reason,
-    };
+    let read_err = |reason: String| WeightsError::Read { path: config_path.clone(), reason };
     let text = std::fs::read_to_string(&config_path).map_err(|e| read_err(e.to_string()))?;
-    let root: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| read_err(e.to_string()))?;
+    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| read_err(e.to_string()))?;
     let section = root.get("text_config").unwrap_or(&root);
     let field = |key: &str| section.get(key).or_else(|| root.get(key)).cloned();
     let mut summary = String::new();
@@ -217,14 +183,8 @@ pub fn target_fingerprint(dir: &Path) -> Result<String, WeightsError> {
         let value = field(key).ok_or_else(|| read_err(format!("missing key {key:?}")))?;
         summary.push_str(&format!("{key}={value};"));
     }
-    let model_type = root
-        .get("model_type")
-        .and_then(|v| v.as_str())
-        .unwrap_or("");
-    let mut hash = fnv1a(
-        0xcbf2_9ce4_8422_2325,
-        format!("{model_type};{summary}").as_bytes(),
-    );
+    let model_type = root.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+    let mut hash = fnv1a(0xcbf2_9ce4_8422_2325, format!("{model_type};{summary}").as_bytes());
     let row = first_embedding_row(dir)?;
     let row_bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
     hash = fnv1a(hash, &row_bytes);
@@ -243,27 +203,18 @@ fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
 /// Row 0 of the input embedding (5.x or 4.x name) as f32 values, read without the rest.
 fn first_embedding_row(dir: &Path) -> Result<Vec<f32>, WeightsError> {
     const NAME: &str = "model.language_model.embed_tokens.weight";
-    let candidates: Vec<String> = std::iter::once(NAME.to_string())
-        .chain(legacy_names(NAME))
-        .collect();
+    let candidates: Vec<String> = std::iter::once(NAME.to_string()).chain(legacy_names(NAME)).collect();
     for file in weight_files(dir)? {
         let header = SafetensorsHeader::read(&file)?;
         for name in &candidates {
             if let Some(entry) = header.entry(name)? {
                 let row = header.read_tensor(&entry, Some(1))?;
-                return Vec::<f32>::try_from(row.to_kind(Kind::Float).flatten(0, -1)).map_err(
-                    |e| WeightsError::Read {
-                        path: file.clone(),
-                        reason: e.to_string(),
-                    },
-                );
+                return Vec::<f32>::try_from(row.to_kind(Kind::Float).flatten(0, -1))
+                    .map_err(|e| WeightsError::Read { path: file.clone(), reason: e.to_string() });
             }
         }
     }
-    Err(WeightsError::Missing {
-        name: NAME.into(),
-        alternatives: legacy_names(NAME),
-    })
+    Err(WeightsError::Missing { name: NAME.into(), alternatives: legacy_names(NAME) })
 }
 
 /// The JSON header of one safetensors file: where each tensor's bytes are.
@@ -289,15 +240,11 @@ impl SafetensorsHeader {
 
     fn read(path: &Path) -> Result<Self, WeightsError> {
         use std::io::Read;
-        let err = |reason: String| WeightsError::Read {
-            path: path.to_path_buf(),
-            reason,
-        };
+        let err = |reason: String| WeightsError::Read { path: path.to_path_buf(), reason };
         let mut file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
         let file_len = file.metadata().map_err(|e| err(e.to_string()))?.len();
         let mut len_bytes = [0u8; 8];
-        file.read_exact(&mut len_bytes)
-            .map_err(|e| err(e.to_string()))?;
+        file.read_exact(&mut len_bytes).map_err(|e| err(e.to_string()))?;
         let header_len = u64::from_le_bytes(len_bytes);
         if header_len > Self::MAX_HEADER || 8 + header_len > file_len {
             return Err(err(format!("implausible header length {header_len}")));
@@ -305,12 +252,7 @@ impl SafetensorsHeader {
         let mut json = vec![0u8; header_len as usize];
         file.read_exact(&mut json).map_err(|e| err(e.to_string()))?;
         let entries = serde_json::from_slice(&json).map_err(|e| err(e.to_string()))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            data_start: 8 + header_len,
-            file_len,
-            entries,
-        })
+        Ok(Self { path: path.to_path_buf(), data_start: 8 + header_len, file_len, entries })
     }
 
     /// The entry for `name`, `None` when this file does not hold it.
@@ -330,12 +272,7 @@ impl SafetensorsHeader {
             other => return Err(err(&format!("unsupported dtype {other:?}"))),
         };
         let numbers = |key: &str| -> Option<Vec<u64>> {
-            value
-                .get(key)?
-                .as_array()?
-                .iter()
-                .map(|v| v.as_u64())
-                .collect()
+            value.get(key)?.as_array()?.iter().map(|v| v.as_u64()).collect()
         };
         let shape = numbers("shape").ok_or_else(|| err("bad shape"))?;
         let offsets = numbers("data_offsets").ok_or_else(|| err("bad data_offsets"))?;
@@ -361,11 +298,7 @@ impl SafetensorsHeader {
     }
 
     /// Reads the tensor, or only its first `rows` rows (along dim 0), on the CPU.
-    fn read_tensor(
-        &self,
-        entry: &SafetensorsEntry,
-        rows: Option<i64>,
-    ) -> Result<Tensor, WeightsError> {
+    fn read_tensor(&self, entry: &SafetensorsEntry, rows: Option<i64>) -> Result<Tensor, WeightsError> {
         use std::io::{Read, Seek, SeekFrom};
         let err = |reason: String| WeightsError::Read {
             path: self.path.clone(),
@@ -381,11 +314,9 @@ impl SafetensorsHeader {
             *first = kept;
         }
         let mut file = std::fs::File::open(&self.path).map_err(|e| err(e.to_string()))?;
-        file.seek(SeekFrom::Start(entry.begin))
-            .map_err(|e| err(e.to_string()))?;
+        file.seek(SeekFrom::Start(entry.begin)).map_err(|e| err(e.to_string()))?;
         let mut bytes = vec![0u8; len as usize];
-        file.read_exact(&mut bytes)
-            .map_err(|e| err(e.to_string()))?;
+        file.read_exact(&mut bytes).map_err(|e| err(e.to_string()))?;
         // safetensors stores little-endian data, which is the host order on every target we build.
         Tensor::f_from_data_size(&bytes, &shape, entry.kind).map_err(|e| err(e.to_string()))
     }
@@ -397,14 +328,8 @@ mod tests {
 
     #[test]
     fn legacy_names_cover_both_towers() {
-        assert_eq!(
-            legacy_names("model.language_model.norm.weight"),
-            vec!["model.norm.weight"]
-        );
-        assert_eq!(
-            legacy_names("model.visual.merger.ln_q.weight"),
-            vec!["visual.merger.ln_q.weight"]
-        );
+        assert_eq!(legacy_names("model.language_model.norm.weight"), vec!["model.norm.weight"]);
+        assert_eq!(legacy_names("model.visual.merger.ln_q.weight"), vec!["visual.merger.ln_q.weight"]);
         assert!(legacy_names("lm_head.weight").is_empty());
     }
 

@@ -8,12 +8,7 @@ pub enum WireError {
     #[error("unsupported tensor dtype {0:?} (f32, bf16, f16)")]
     Dtype(String),
     #[error("tensor of shape {shape:?} and dtype {dtype} needs {expected} bytes, got {got}")]
-    Size {
-        shape: Vec<u64>,
-        dtype: String,
-        expected: usize,
-        got: usize,
-    },
+    Size { shape: Vec<u64>, dtype: String, expected: usize, got: usize },
 }
 
 /// Wire name of a floating kind.
@@ -50,12 +45,8 @@ pub fn encode(tensor: &Tensor, kind: Kind) -> TensorData {
 
 /// Deserializes, checking that the byte count matches dtype and shape.
 pub fn decode(data: &TensorData, device: Device) -> Result<Tensor, WireError> {
-    let (kind, element) =
-        kind_of(&data.dtype).ok_or_else(|| WireError::Dtype(data.dtype.clone()))?;
-    let numel = data
-        .shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
+    let (kind, element) = kind_of(&data.dtype).ok_or_else(|| WireError::Dtype(data.dtype.clone()))?;
+    let numel = data.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
     let expected = numel.and_then(|n| n.checked_mul(element));
     if expected != Some(data.data.len()) {
         return Err(WireError::Size {
@@ -80,10 +71,7 @@ mod tests {
             let wire = encode(&t, kind);
             let back = decode(&wire, Device::Cpu).unwrap();
             assert_eq!(back.size(), vec![3, 4]);
-            let diff = (back.to_kind(Kind::Float) - &t)
-                .abs()
-                .max()
-                .double_value(&[]);
+            let diff = (back.to_kind(Kind::Float) - &t).abs().max().double_value(&[]);
             assert!(diff < 0.02, "{kind:?}: {diff}");
         }
         let mut bad = encode(&t, Kind::Float);

@@ -6,8 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use glance_common::input::{
-    decode_image, resize_for_model, to_rgb8, ChatMessage, ContentPart, Prompt, PromptBuilder,
-    PromptOptions,
+    decode_image, resize_for_model, to_rgb8, ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions,
 };
 use safetensors::SafeTensors;
 use serde_json::Value;
@@ -86,10 +85,7 @@ impl Case {
     fn load(path: &Path) -> Result<Self> {
         let json: Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
         let tensors = std::fs::read(path.with_extension("safetensors"))?;
-        let dir = path
-            .parent()
-            .context("case has no directory")?
-            .to_path_buf();
+        let dir = path.parent().context("case has no directory")?.to_path_buf();
         Ok(Self { json, tensors, dir })
     }
 
@@ -101,15 +97,9 @@ impl Case {
     fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let tensors = SafeTensors::deserialize(&self.tensors)?;
         let view = tensors.tensor(name)?;
-        ensure!(
-            view.dtype() == safetensors::Dtype::F32,
-            "{name} is not float32"
-        );
-        let values = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        ensure!(view.dtype() == safetensors::Dtype::F32, "{name} is not float32");
+        let values =
+            view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         Ok((view.shape().to_vec(), values))
     }
 
@@ -127,16 +117,11 @@ impl Case {
 
     fn part(&self, part: &Value) -> Result<ContentPart> {
         match part["type"].as_str() {
-            Some("text") => Ok(ContentPart::Text(
-                part["text"].as_str().context("text")?.into(),
-            )),
+            Some("text") => Ok(ContentPart::Text(part["text"].as_str().context("text")?.into())),
             Some("image") => {
                 let path = part["path"].as_str().context("image path")?;
                 let data = std::fs::read(self.dir.join(path))?;
-                Ok(ContentPart::Image {
-                    data,
-                    mime_type: mime_for(path).into(),
-                })
+                Ok(ContentPart::Image { data, mime_type: mime_for(path).into() })
             }
             other => bail!("unknown part type {other:?}"),
         }
@@ -161,31 +146,19 @@ fn check_case(builder: &PromptBuilder, path: &Path) -> Result<()> {
         prompt.text
     );
     let expected_ids: Vec<u32> = serde_json::from_value(case.field("input_ids")?.clone())?;
-    ensure!(
-        prompt.input_ids == expected_ids,
-        "input_ids differ: {:?}",
-        prompt.input_ids
-    );
+    ensure!(prompt.input_ids == expected_ids, "input_ids differ: {:?}", prompt.input_ids);
     check_positions(&case, &prompt)?;
     check_images(builder, &case, &prompt)
 }
 
 fn check_positions(case: &Case, prompt: &Prompt) -> Result<()> {
     let expected: Vec<Vec<i64>> = serde_json::from_value(case.field("position_ids")?.clone())?;
-    let actual = [
-        &prompt.positions.t,
-        &prompt.positions.h,
-        &prompt.positions.w,
-    ];
+    let actual = [&prompt.positions.t, &prompt.positions.h, &prompt.positions.w];
     for (axis, (want, got)) in ["t", "h", "w"].iter().zip(expected.iter().zip(actual)) {
         ensure!(want == got, "position_ids {axis} differ: {got:?}");
     }
     let delta = case.field("rope_delta")?.as_i64().context("rope_delta")?;
-    ensure!(
-        prompt.rope_delta == delta,
-        "rope_delta {} != {delta}",
-        prompt.rope_delta
-    );
+    ensure!(prompt.rope_delta == delta, "rope_delta {} != {delta}", prompt.rope_delta);
     Ok(())
 }
 
@@ -199,30 +172,15 @@ fn check_images(builder: &PromptBuilder, case: &Case, prompt: &Prompt) -> Result
     let (shape, reference) = case.tensor("pixel_values")?;
     let mut offset = 0;
     for (k, image) in prompt.images.iter().enumerate() {
-        ensure!(
-            shape[1] == image.patch_dim,
-            "patch_dim {} != {}",
-            image.patch_dim,
-            shape[1]
-        );
+        ensure!(shape[1] == image.patch_dim, "patch_dim {} != {}", image.patch_dim, shape[1]);
         let rows = &reference[offset..offset + image.pixel_values.len()];
         offset += image.pixel_values.len();
         let tolerance = pixel_tolerance(builder, case, k)?;
         let diff = max_abs_diff(&image.pixel_values, rows);
-        println!(
-            "{} image {k}: pixel_values max abs difference {diff:e}",
-            case_name(case)
-        );
-        ensure!(
-            diff <= tolerance,
-            "image {k}: pixel_values differ by {diff} (> {tolerance})"
-        );
+        println!("{} image {k}: pixel_values max abs difference {diff:e}", case_name(case));
+        ensure!(diff <= tolerance, "image {k}: pixel_values differ by {diff} (> {tolerance})");
     }
-    ensure!(
-        offset == reference.len(),
-        "pixel_values has {} values, expected {offset}",
-        reference.len()
-    );
+    ensure!(offset == reference.len(), "pixel_values has {} values, expected {offset}", reference.len());
     Ok(())
 }
 
@@ -244,35 +202,21 @@ fn pixel_tolerance(builder: &PromptBuilder, case: &Case, k: usize) -> Result<f32
     ensure!(shape == size, "resized_{k}: shape {size:?} != {shape:?}");
     let actual: Vec<f32> = resized.as_raw().iter().map(|&v| f32::from(v)).collect();
     let levels = max_abs_diff(&actual, &reference);
-    println!(
-        "{} {path}: resized image max 8-bit difference vs Pillow: {levels}",
-        case_name(case)
-    );
-    ensure!(
-        levels <= RESIZE_LEVEL_TOLERANCE,
-        "resized_{k} differs by {levels} levels"
-    );
+    println!("{} {path}: resized image max 8-bit difference vs Pillow: {levels}", case_name(case));
+    ensure!(levels <= RESIZE_LEVEL_TOLERANCE, "resized_{k} differs by {levels} levels");
     let min_std = cfg.image_std.iter().copied().fold(f64::INFINITY, f64::min) as f32;
     Ok(levels / 255.0 / min_std + EXACT_PIXEL_TOLERANCE)
 }
 
 /// JPEG decoders may round differently from libjpeg; printed to tell that apart from resizing.
-fn report_decode_difference(
-    case: &Case,
-    k: usize,
-    rgb: &image::RgbImage,
-    path: &str,
-) -> Result<()> {
+fn report_decode_difference(case: &Case, k: usize, rgb: &image::RgbImage, path: &str) -> Result<()> {
     let Ok((_, reference)) = case.tensor(&format!("decoded_{k}")) else {
         return Ok(());
     };
     let actual: Vec<f32> = rgb.as_raw().iter().map(|&v| f32::from(v)).collect();
     ensure!(actual.len() == reference.len(), "decoded_{k}: size differs");
     let levels = max_abs_diff(&actual, &reference);
-    println!(
-        "{} {path}: decoded image max 8-bit difference vs PIL: {levels}",
-        case_name(case)
-    );
+    println!("{} {path}: decoded image max 8-bit difference vs PIL: {levels}", case_name(case));
     Ok(())
 }
 
@@ -283,8 +227,5 @@ fn case_name(case: &Case) -> String {
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }

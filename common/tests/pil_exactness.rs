@@ -28,11 +28,7 @@ fn bicubic_resize_is_bit_exact_with_pillow() {
     let src = load_png("src.png");
     let mut checked = 0;
     for entry in std::fs::read_dir(data_dir()).expect("data dir") {
-        let name = entry
-            .expect("dir entry")
-            .file_name()
-            .to_string_lossy()
-            .into_owned();
+        let name = entry.expect("dir entry").file_name().to_string_lossy().into_owned();
         let Some((width, height)) = target_size(&name) else {
             continue;
         };
@@ -52,10 +48,7 @@ fn jpeg_decodes_like_hf_load_image() {
     let actual = to_rgb8(&decode_image(&bytes, "image/jpeg").expect("photo decodes"));
     let expected = load_png("photo.pil.png");
     assert_eq!(actual.dimensions(), expected.dimensions());
-    assert!(
-        actual == expected,
-        "photo.jpg: decoded pixels differ from PIL"
-    );
+    assert!(actual == expected, "photo.jpg: decoded pixels differ from PIL");
 }
 
 #[test]

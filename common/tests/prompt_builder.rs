@@ -37,11 +37,7 @@ impl TinyModel {
             r#"{"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
                 "min_pixels": 3136, "max_pixels": 50176}"#,
         );
-        write(
-            &dir,
-            "generation_config.json",
-            r#"{"eos_token_id": [9, 1]}"#,
-        );
+        write(&dir, "generation_config.json", r#"{"eos_token_id": [9, 1]}"#);
         Self { dir }
     }
 
@@ -80,12 +76,8 @@ fn tokenizer_json() -> String {
             )
         })
         .collect();
-    let vocab: Vec<String> = specials
-        .iter()
-        .chain(&words)
-        .enumerate()
-        .map(|(id, t)| format!(r#""{t}": {id}"#))
-        .collect();
+    let vocab: Vec<String> =
+        specials.iter().chain(&words).enumerate().map(|(id, t)| format!(r#""{t}": {id}"#)).collect();
     format!(
         r#"{{"version": "1.0", "truncation": null, "padding": null,
             "added_tokens": [{}], "normalizer": null,
@@ -99,8 +91,7 @@ fn tokenizer_json() -> String {
 fn png(width: u32, height: u32) -> Vec<u8> {
     let img = image::RgbImage::from_fn(width, height, |x, y| image::Rgb([x as u8, y as u8, 99]));
     let mut bytes = Cursor::new(Vec::new());
-    img.write_to(&mut bytes, image::ImageFormat::Png)
-        .expect("encode png");
+    img.write_to(&mut bytes, image::ImageFormat::Png).expect("encode png");
     bytes.into_inner()
 }
 
@@ -109,26 +100,19 @@ fn text(t: &str) -> ContentPart {
 }
 
 fn image(data: Vec<u8>, mime: &str) -> ContentPart {
-    ContentPart::Image {
-        data,
-        mime_type: mime.into(),
-    }
+    ContentPart::Image { data, mime_type: mime.into() }
 }
 
 fn user(content: Vec<ContentPart>) -> ChatMessage {
-    ChatMessage {
-        role: "user".into(),
-        content,
-    }
+    ChatMessage { role: "user".into(), content }
 }
 
 #[test]
 fn builds_expanded_ids_and_positions() {
     let model = TinyModel::new("build");
     let builder = model.builder(PromptOptions::default());
-    let prompt = builder
-        .build(&[user(vec![image(png(56, 56), ""), text("hello look")])])
-        .expect("prompt builds");
+    let prompt =
+        builder.build(&[user(vec![image(png(56, 56), ""), text("hello look")])]).expect("prompt builds");
     assert_eq!(
         prompt.text,
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hello look<|im_end|>\n<|im_start|>assistant\n"
@@ -149,29 +133,16 @@ fn builds_expanded_ids_and_positions() {
 }
 
 fn build_error(builder: &PromptBuilder, messages: &[ChatMessage]) -> String {
-    builder
-        .build(messages)
-        .map(|_| ())
-        .expect_err("request must be refused")
-        .to_string()
+    builder.build(messages).map(|_| ()).expect_err("request must be refused").to_string()
 }
 
 #[test]
 fn bad_requests_name_the_field() {
     let model = TinyModel::new("errors");
-    let builder = model.builder(PromptOptions {
-        max_images: 1,
-        ..PromptOptions::default()
-    });
-    assert!(matches!(
-        builder.build(&[]),
-        Err(InputError::EmptyConversation)
-    ));
+    let builder = model.builder(PromptOptions { max_images: 1, ..PromptOptions::default() });
+    assert!(matches!(builder.build(&[]), Err(InputError::EmptyConversation)));
 
-    let tool = ChatMessage {
-        role: "tool".into(),
-        content: vec![text("hello")],
-    };
+    let tool = ChatMessage { role: "tool".into(), content: vec![text("hello")] };
     let err = build_error(&builder, &[user(vec![text("hello")]), tool]);
     assert!(err.starts_with("messages[1].role: role \"tool\""), "{err}");
 
@@ -184,20 +155,11 @@ fn bad_requests_name_the_field() {
 
     let mut broken = png(56, 56);
     broken.truncate(60);
-    let err = build_error(
-        &builder,
-        &[user(vec![text("look"), image(broken, "image/png")])],
-    );
-    assert!(
-        err.starts_with("messages[0].content[1].image: corrupt PNG data:"),
-        "{err}"
-    );
+    let err = build_error(&builder, &[user(vec![text("look"), image(broken, "image/png")])]);
+    assert!(err.starts_with("messages[0].content[1].image: corrupt PNG data:"), "{err}");
 
     let err = build_error(&builder, &[user(vec![image(png(56, 56), "image/gif")])]);
-    assert!(
-        err.starts_with("messages[0].content[0].image: unsupported mime type"),
-        "{err}"
-    );
+    assert!(err.starts_with("messages[0].content[0].image: unsupported mime type"), "{err}");
 
     let err = build_error(&builder, &[user(vec![image(png(56, 56), "image/jpeg")])]);
     assert!(err.contains("look like Png"), "{err}");
@@ -209,25 +171,16 @@ fn bad_requests_name_the_field() {
 #[test]
 fn decoded_pixel_cap_is_enforced_before_decoding() {
     let model = TinyModel::new("cap");
-    let builder = model.builder(PromptOptions {
-        max_decoded_pixels: 100 * 100,
-        ..PromptOptions::default()
-    });
+    let builder = model.builder(PromptOptions { max_decoded_pixels: 100 * 100, ..PromptOptions::default() });
     let err = build_error(&builder, &[user(vec![image(png(101, 100), "image/png")])]);
-    assert!(
-        err.starts_with("messages[0].content[0].image: image is 101x100 pixels"),
-        "{err}"
-    );
+    assert!(err.starts_with("messages[0].content[0].image: image is 101x100 pixels"), "{err}");
 }
 
 #[test]
 fn pixel_overrides_are_validated() {
     let model = TinyModel::new("overrides");
-    let options = PromptOptions {
-        min_pixels: Some(10_000),
-        max_pixels: Some(5_000),
-        ..PromptOptions::default()
-    };
+    let options =
+        PromptOptions { min_pixels: Some(10_000), max_pixels: Some(5_000), ..PromptOptions::default() };
     let err = PromptBuilder::from_model_dir(&model.dir, options).expect_err("min > max");
     assert!(err.to_string().contains("min_pixels"), "{err}");
 }

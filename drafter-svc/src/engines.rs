@@ -60,11 +60,7 @@ impl BlockHeadEngine {
     }
 
     pub fn new(head: DraftHead, fingerprint: String, max_context: usize) -> Self {
-        Self {
-            head: Arc::new(SharedHead(head)),
-            fingerprint,
-            max_context,
-        }
+        Self { head: Arc::new(SharedHead(head)), fingerprint, max_context }
     }
 }
 
@@ -113,8 +109,7 @@ impl Session for BlockHeadSession {
         tokens: &[u32],
         states: Option<Tensor>,
     ) -> Result<(), DraftError> {
-        let states =
-            states.ok_or_else(|| DraftError::States("the block head needs tap states".into()))?;
+        let states = states.ok_or_else(|| DraftError::States("the block head needs tap states".into()))?;
         let width = (self.head.tap_layers().len() as i64) * self.head.hidden_size();
         if states.size() != [tokens.len() as i64, width] {
             return Err(DraftError::States(format!(
@@ -146,22 +141,12 @@ impl Session for BlockHeadSession {
         };
         let logits = self
             .head
-            .draft(
-                &mut self.cache,
-                &context,
-                round.root_token as i64,
-                round.root_position,
-            )
+            .draft(&mut self.cache, &context, round.root_token as i64, round.root_position)
             .map_err(|e| DraftError::Internal(e.to_string()))?;
-        let (ids, log_probs) = top_k_log_probs(&logits, round.branch_k)
-            .map_err(|e| DraftError::Internal(e.to_string()))?;
+        let (ids, log_probs) =
+            top_k_log_probs(&logits, round.branch_k).map_err(|e| DraftError::Internal(e.to_string()))?;
         let budget = round.budget.min(MAX_TREE_NODES);
-        Ok(to_tree(&build_budget_tree(
-            &ids,
-            &log_probs,
-            budget,
-            round.branch_k,
-        )))
+        Ok(to_tree(&build_budget_tree(&ids, &log_probs, budget, round.branch_k)))
     }
 }
 
@@ -174,8 +159,7 @@ pub struct PromptLookupEngine {
 impl PromptLookupEngine {
     /// Prompt lookup for a target: only its vocabulary size is needed (for the handshake).
     pub fn for_target(target_dir: &Path, block_size: usize) -> Result<Self, String> {
-        let config =
-            std::fs::read_to_string(target_dir.join("config.json")).map_err(|e| e.to_string())?;
+        let config = std::fs::read_to_string(target_dir.join("config.json")).map_err(|e| e.to_string())?;
         let root: serde_json::Value = serde_json::from_str(&config).map_err(|e| e.to_string())?;
         let vocab = root
             .get("text_config")
@@ -187,11 +171,7 @@ impl PromptLookupEngine {
     }
 
     pub fn new(block_size: usize, vocab_size: u32) -> Self {
-        Self {
-            lookup: PromptLookup::new(block_size.saturating_sub(1)),
-            block_size,
-            vocab_size,
-        }
+        Self { lookup: PromptLookup::new(block_size.saturating_sub(1)), block_size, vocab_size }
     }
 }
 
@@ -208,10 +188,7 @@ impl DraftEngine for PromptLookupEngine {
     }
 
     fn new_session(&self) -> Box<dyn Session> {
-        Box::new(PromptLookupSession {
-            lookup: self.lookup.clone(),
-            history: TokenHistory::default(),
-        })
+        Box::new(PromptLookupSession { lookup: self.lookup.clone(), history: TokenHistory::default() })
     }
 }
 
@@ -221,23 +198,13 @@ struct PromptLookupSession {
 }
 
 impl Session for PromptLookupSession {
-    fn append_context(
-        &mut self,
-        first: usize,
-        tokens: &[u32],
-        _: Option<Tensor>,
-    ) -> Result<(), DraftError> {
+    fn append_context(&mut self, first: usize, tokens: &[u32], _: Option<Tensor>) -> Result<(), DraftError> {
         self.history.append(first, tokens)
     }
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
-        let history: Vec<i64> = self
-            .history
-            .with_root(round.root_token)
-            .iter()
-            .map(|&t| t as i64)
-            .collect();
+        let history: Vec<i64> = self.history.with_root(round.root_token).iter().map(|&t| t as i64).collect();
         let mut nodes = self.lookup.propose(&history);
         nodes.truncate(round.budget);
         Ok(to_tree(&nodes))

@@ -12,9 +12,7 @@
 use std::path::Path;
 
 use glance_common::kv_cache::{CacheError, KvCache};
-use glance_common::models::layers::{
-    apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm,
-};
+use glance_common::models::layers::{apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm};
 use glance_common::weights::{read_named_tensors, Checkpoint, WeightsError};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -116,21 +114,14 @@ impl DraftHeadConfig {
         Self::from_json(&read_json(&path)?, &path, num_target_layers)
     }
 
-    pub fn from_json(
-        root: &Value,
-        path: &Path,
-        num_target_layers: Option<usize>,
-    ) -> Result<Self, HeadError> {
+    pub fn from_json(root: &Value, path: &Path, num_target_layers: Option<usize>) -> Result<Self, HeadError> {
         reject_unsupported_variants(root)?;
         let view = JsonView::new(root, path);
         let draft = DraftValues::new(root);
         let hidden_size = view.int("hidden_size")?;
         let num_heads = view.int("num_attention_heads")?;
         let num_layers = view.usize("num_hidden_layers")?;
-        let activation_name = root
-            .get("hidden_act")
-            .and_then(Value::as_str)
-            .unwrap_or("silu");
+        let activation_name = root.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
         let config = Self {
             hidden_size,
             intermediate_size: view.int("intermediate_size")?,
@@ -140,19 +131,14 @@ impl DraftHeadConfig {
             head_dim: view.int_or("head_dim", hidden_size / num_heads.max(1)),
             rms_norm_eps: view.float_or("rms_norm_eps", 1e-6),
             rope_theta: rope_theta(root).unwrap_or(10000.0),
-            attention_bias: root
-                .get("attention_bias")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+            attention_bias: root.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
             activation: Activation::from_name(activation_name)
                 .ok_or_else(|| HeadError::Unsupported(format!("hidden_act {activation_name:?}")))?,
             vocab_size: root.get("vocab_size").and_then(Value::as_i64),
-            block_size: draft.int("block_size").map_or(Ok(16), |b| {
-                usize::try_from(b).map_err(|_| view.bad("block_size"))
-            })?,
-            mask_token_id: draft
-                .int("mask_token_id")
-                .ok_or_else(|| view.bad("mask_token_id"))?,
+            block_size: draft
+                .int("block_size")
+                .map_or(Ok(16), |b| usize::try_from(b).map_err(|_| view.bad("block_size")))?,
+            mask_token_id: draft.int("mask_token_id").ok_or_else(|| view.bad("mask_token_id"))?,
             target_layer_ids: target_layer_ids(&draft, &view, num_layers, num_target_layers)?,
             input_embedding_scale: draft.float("input_embedding_scale").unwrap_or(1.0),
             output_multiplier: draft.float("output_multiplier").unwrap_or(1.0),
@@ -227,20 +213,12 @@ fn reject_unsupported_variants(root: &Value) -> Result<(), HeadError> {
     if draft.get("is_causal").and_then(Value::as_bool) == Some(true) {
         return unsupported("is_causal (causal draft attention)");
     }
-    let rope = root
-        .get("rope_parameters")
-        .or_else(|| root.get("rope_scaling"))
-        .filter(|r| !r.is_null());
+    let rope = root.get("rope_parameters").or_else(|| root.get("rope_scaling")).filter(|r| !r.is_null());
     if let Some(rope) = rope {
-        let rope_type = rope
-            .get("rope_type")
-            .or_else(|| rope.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
+        let rope_type =
+            rope.get("rope_type").or_else(|| rope.get("type")).and_then(Value::as_str).unwrap_or("default");
         if rope_type != "default" || rope.get("mrope_section").is_some() {
-            return unsupported(
-                "rope scaling / M-RoPE in the head (GLANCE heads use plain 1-D RoPE)",
-            );
+            return unsupported("rope scaling / M-RoPE in the head (GLANCE heads use plain 1-D RoPE)");
         }
     }
     Ok(())
@@ -255,18 +233,10 @@ fn target_layer_ids(
     if let Some(ids) = draft.get("target_layer_ids") {
         return ids
             .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|v| v.as_u64().map(|x| x as usize))
-                    .collect::<Option<Vec<_>>>()
-            })
+            .and_then(|a| a.iter().map(|v| v.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
             .ok_or_else(|| view.bad("target_layer_ids"));
     }
-    let from_config = view
-        .value
-        .get("num_target_layers")
-        .and_then(Value::as_u64)
-        .map(|n| n as usize);
+    let from_config = view.value.get("num_target_layers").and_then(Value::as_u64).map(|n| n as usize);
     let target_layers = from_config
         .or(num_target_layers)
         .ok_or_else(|| view.bad("target_layer_ids (and no num_target_layers to derive them)"))?;
@@ -318,12 +288,7 @@ struct HeadMlp {
 impl DraftHead {
     /// Loads the head from `head_dir` and, from `target_dir`, only the two target tensors it
     /// shares (input embedding and LM head), checking that head and target fit together.
-    pub fn load(
-        head_dir: &Path,
-        target_dir: &Path,
-        kind: Kind,
-        device: Device,
-    ) -> Result<Self, HeadError> {
+    pub fn load(head_dir: &Path, target_dir: &Path, kind: Kind, device: Device) -> Result<Self, HeadError> {
         let target = TargetDims::read(target_dir)?;
         let config = DraftHeadConfig::load(head_dir, Some(target.num_layers))?;
         check_fits_target(&config, &target)?;
@@ -350,20 +315,9 @@ impl DraftHead {
         let prefix = weight_prefix(&ckpt)?;
         let c = &config;
         let taps = c.target_layer_ids.len() as i64;
-        let fc = Linear::load(
-            &mut ckpt,
-            &format!("{prefix}fc"),
-            taps * c.hidden_size,
-            c.hidden_size,
-            false,
-        )?;
+        let fc = Linear::load(&mut ckpt, &format!("{prefix}fc"), taps * c.hidden_size, c.hidden_size, false)?;
         let norm_of = |ckpt: &mut Checkpoint, name: &str| {
-            RmsNorm::load(
-                ckpt,
-                &format!("{prefix}{name}"),
-                c.hidden_size,
-                c.rms_norm_eps,
-            )
+            RmsNorm::load(ckpt, &format!("{prefix}{name}"), c.hidden_size, c.rms_norm_eps)
         };
         let hidden_norm = norm_of(&mut ckpt, "hidden_norm")?;
         let norm = norm_of(&mut ckpt, "norm")?;
@@ -375,31 +329,13 @@ impl DraftHead {
             tracing::warn!(count = unused.len(), first = %unused[0], "draft head tensors not used");
         }
         let inv_freq = inverse_frequencies(c.rope_theta, c.head_dim, device);
-        Ok(Self {
-            fc,
-            hidden_norm,
-            layers,
-            norm,
-            embed,
-            lm_head,
-            inv_freq,
-            kind,
-            device,
-            config,
-        })
+        Ok(Self { fc, hidden_norm, layers, norm, embed, lm_head, inv_freq, kind, device, config })
     }
 
     /// An empty draft KV cache for `capacity` stream positions (context rows plus one block).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         let c = &self.config;
-        KvCache::new(
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            capacity,
-            self.kind,
-            self.device,
-        )
+        KvCache::new(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kind, self.device)
     }
 
     /// One draft pass. `context`: (C, taps·hidden) tap states (any float dtype) of the C committed
@@ -427,14 +363,9 @@ impl DraftHead {
         let width = self.config.target_layer_ids.len() as i64 * self.config.hidden_size;
         let size = context.size();
         if size.len() != 2 || size[1] != width {
-            return Err(HeadError::Input(format!(
-                "context states {size:?}, expected [rows, {width}]"
-            )));
+            return Err(HeadError::Input(format!("context states {size:?}, expected [rows, {width}]")));
         }
-        if !matches!(
-            context.kind(),
-            Kind::Float | Kind::BFloat16 | Kind::Half | Kind::Double
-        ) {
+        if !matches!(context.kind(), Kind::Float | Kind::BFloat16 | Kind::Half | Kind::Double) {
             return Err(HeadError::Input(format!(
                 "context states of dtype {:?}, expected a float dtype",
                 context.kind()
@@ -505,10 +436,7 @@ impl DraftHead {
             Tensor::arange_start(start, start + n, (Kind::Int64, self.device)).to_kind(Kind::Float);
         let freqs = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0);
         let angles = Tensor::cat(&[&freqs, &freqs], -1);
-        (
-            angles.cos().to_kind(self.kind),
-            angles.sin().to_kind(self.kind),
-        )
+        (angles.cos().to_kind(self.kind), angles.sin().to_kind(self.kind))
     }
 
     pub fn config(&self) -> &DraftHeadConfig {
@@ -546,15 +474,12 @@ impl DraftHead {
 
 /// `""` or `"model."`: the prefix under which this checkpoint stores the head's tensors.
 fn weight_prefix(ckpt: &Checkpoint) -> Result<&'static str, HeadError> {
-    ["", "model."]
-        .into_iter()
-        .find(|prefix| ckpt.contains(&format!("{prefix}fc.weight")))
-        .ok_or_else(|| {
-            HeadError::Weights(WeightsError::Missing {
-                name: "fc.weight".into(),
-                alternatives: vec!["model.fc.weight".into()],
-            })
+    ["", "model."].into_iter().find(|prefix| ckpt.contains(&format!("{prefix}fc.weight"))).ok_or_else(|| {
+        HeadError::Weights(WeightsError::Missing {
+            name: "fc.weight".into(),
+            alternatives: vec!["model.fc.weight".into()],
         })
+    })
 }
 
 fn check_fits_target(config: &DraftHeadConfig, target: &TargetDims) -> Result<(), HeadError> {
@@ -564,11 +489,7 @@ fn check_fits_target(config: &DraftHeadConfig, target: &TargetDims) -> Result<()
             config.hidden_size, target.hidden_size
         )));
     }
-    if let Some(&bad) = config
-        .target_layer_ids
-        .iter()
-        .find(|&&l| l >= target.num_layers)
-    {
+    if let Some(&bad) = config.target_layer_ids.iter().find(|&&l| l >= target.num_layers) {
         return Err(HeadError::Mismatch(format!(
             "tap layer {bad} but the target has {} layers",
             target.num_layers
@@ -591,11 +512,7 @@ fn check_shared_matrices(
     let embed_size = embed.size();
     let (vocab, hidden) = match embed_size[..] {
         [v, h] => (v, h),
-        _ => {
-            return Err(HeadError::Mismatch(format!(
-                "embedding of shape {embed_size:?}"
-            )))
-        }
+        _ => return Err(HeadError::Mismatch(format!("embedding of shape {embed_size:?}"))),
     };
     if hidden != config.hidden_size || lm_head.size() != [vocab, hidden] {
         return Err(HeadError::Mismatch(format!(
@@ -621,19 +538,13 @@ fn load_target_matrices(
     kind: Kind,
     device: Device,
 ) -> Result<(Tensor, Tensor), HeadError> {
-    const EMBED: [&str; 2] = [
-        "model.language_model.embed_tokens.weight",
-        "model.embed_tokens.weight",
-    ];
+    const EMBED: [&str; 2] = ["model.language_model.embed_tokens.weight", "model.embed_tokens.weight"];
     const LM_HEAD: &str = "lm_head.weight";
     let mut found = read_named_tensors(target_dir, &[EMBED[0], EMBED[1], LM_HEAD], kind, device)?;
-    let embed = EMBED
-        .iter()
-        .find_map(|name| found.remove(*name))
-        .ok_or_else(|| WeightsError::Missing {
-            name: EMBED[0].into(),
-            alternatives: vec![EMBED[1].into()],
-        })?;
+    let embed = EMBED.iter().find_map(|name| found.remove(*name)).ok_or_else(|| WeightsError::Missing {
+        name: EMBED[0].into(),
+        alternatives: vec![EMBED[1].into()],
+    })?;
     let lm_head = match found.remove(LM_HEAD) {
         Some(t) => t,
         None if target.tie_word_embeddings => embed.shallow_clone(),
@@ -648,18 +559,9 @@ fn load_target_matrices(
 }
 
 impl HeadLayer {
-    fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        c: &DraftHeadConfig,
-    ) -> Result<Self, WeightsError> {
+    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &DraftHeadConfig) -> Result<Self, WeightsError> {
         let norm = |ckpt: &mut Checkpoint, name: &str| {
-            RmsNorm::load(
-                ckpt,
-                &format!("{prefix}.{name}"),
-                c.hidden_size,
-                c.rms_norm_eps,
-            )
+            RmsNorm::load(ckpt, &format!("{prefix}.{name}"), c.hidden_size, c.rms_norm_eps)
         };
         Ok(Self {
             input_layernorm: norm(ckpt, "input_layernorm")?,
@@ -686,11 +588,7 @@ impl HeadLayer {
 }
 
 impl HeadAttention {
-    fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        c: &DraftHeadConfig,
-    ) -> Result<Self, WeightsError> {
+    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &DraftHeadConfig) -> Result<Self, WeightsError> {
         let q_dim = c.num_heads * c.head_dim;
         let kv_dim = c.num_kv_heads * c.head_dim;
         let bias = c.attention_bias;
@@ -698,12 +596,7 @@ impl HeadAttention {
             Linear::load(ckpt, &format!("{prefix}.{name}"), i, o, bias)
         };
         let norm = |ckpt: &mut Checkpoint, name: &str| {
-            RmsNorm::load(
-                ckpt,
-                &format!("{prefix}.{name}"),
-                c.head_dim,
-                c.rms_norm_eps,
-            )
+            RmsNorm::load(ckpt, &format!("{prefix}.{name}"), c.head_dim, c.rms_norm_eps)
         };
         Ok(Self {
             q_proj: proj(ckpt, "q_proj", c.hidden_size, q_dim)?,
@@ -737,8 +630,7 @@ impl HeadAttention {
         let kv_input = Tensor::cat(&[ctx, x], 0);
         let k = split_heads(self.k_proj.forward(&kv_input), rows, self.num_kv_heads);
         let k = self.k_norm.forward(&k).transpose(0, 1); // (kv_heads, C+B, hd)
-        let v =
-            split_heads(self.v_proj.forward(&kv_input), rows, self.num_kv_heads).transpose(0, 1);
+        let v = split_heads(self.v_proj.forward(&kv_input), rows, self.num_kv_heads).transpose(0, 1);
         // Queries sit at the last B positions; keys at all C+B.
         let q_cos = cos.narrow(0, rows - block, block).unsqueeze(0);
         let q_sin = sin.narrow(0, rows - block, block).unsqueeze(0);
@@ -755,21 +647,14 @@ impl HeadAttention {
             None,
             self.num_heads != self.num_kv_heads,
         ); // (1, heads, B, hd)
-        let out = out
-            .squeeze_dim(0)
-            .transpose(0, 1)
-            .contiguous()
-            .view([block, self.num_heads * self.head_dim]);
+        let out =
+            out.squeeze_dim(0).transpose(0, 1).contiguous().view([block, self.num_heads * self.head_dim]);
         self.o_proj.forward(&out)
     }
 }
 
 impl HeadMlp {
-    fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        c: &DraftHeadConfig,
-    ) -> Result<Self, WeightsError> {
+    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &DraftHeadConfig) -> Result<Self, WeightsError> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let proj = |ckpt: &mut Checkpoint, name: &str, inp: i64, out: i64| {
             Linear::load(ckpt, &format!("{prefix}.{name}"), inp, out, false)
@@ -789,10 +674,7 @@ impl HeadMlp {
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value, HeadError> {
-    let err = |reason: String| HeadError::Config {
-        path: path.display().to_string(),
-        reason,
-    };
+    let err = |reason: String| HeadError::Config { path: path.display().to_string(), reason };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| err(e.to_string()))
 }
@@ -852,40 +734,23 @@ impl<'a> JsonView<'a> {
     }
 
     fn int(&self, key: &str) -> Result<i64, HeadError> {
-        self.value
-            .get(key)
-            .and_then(Value::as_i64)
-            .ok_or_else(|| self.bad(key))
+        self.value.get(key).and_then(Value::as_i64).ok_or_else(|| self.bad(key))
     }
 
     fn usize(&self, key: &str) -> Result<usize, HeadError> {
-        self.value
-            .get(key)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .ok_or_else(|| self.bad(key))
+        self.value.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| self.bad(key))
     }
 
     fn int_or(&self, key: &str, default: i64) -> i64 {
-        self.value
-            .get(key)
-            .and_then(Value::as_i64)
-            .unwrap_or(default)
+        self.value.get(key).and_then(Value::as_i64).unwrap_or(default)
     }
 
     fn float_or(&self, key: &str, default: f64) -> f64 {
-        self.value
-            .get(key)
-            .and_then(Value::as_f64)
-            .unwrap_or(default)
+        self.value.get(key).and_then(Value::as_f64).unwrap_or(default)
     }
 
     fn str_or_root(&self, root: &Value, key: &str) -> String {
-        root.get(key)
-            .or_else(|| self.value.get(key))
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string()
+        root.get(key).or_else(|| self.value.get(key)).and_then(Value::as_str).unwrap_or_default().to_string()
     }
 }
 
@@ -951,10 +816,7 @@ mod tests {
         top["target_layer_ids"] = json!([2, 3]);
         top["rope_parameters"] = json!({"rope_theta": 5e6, "rope_type": "default"});
         let c = parse(top, None).unwrap();
-        assert_eq!(
-            (c.mask_token_id, c.target_layer_ids.clone()),
-            (7, vec![2, 3])
-        );
+        assert_eq!((c.mask_token_id, c.target_layer_ids.clone()), (7, vec![2, 3]));
         assert_eq!(c.rope_theta, 5e6);
     }
 
@@ -962,15 +824,9 @@ mod tests {
     fn derives_taps_when_the_config_has_none() {
         let mut v = qwen3_8b_like();
         v["dflash_config"] = json!({"mask_token_id": 3});
-        assert_eq!(
-            parse(v.clone(), Some(4)).unwrap().target_layer_ids,
-            vec![1, 9, 17, 25, 33]
-        );
+        assert_eq!(parse(v.clone(), Some(4)).unwrap().target_layer_ids, vec![1, 9, 17, 25, 33]);
         v.as_object_mut().unwrap().remove("num_target_layers");
-        assert_eq!(
-            parse(v.clone(), Some(28)).unwrap().target_layer_ids,
-            vec![1, 7, 13, 19, 25]
-        );
+        assert_eq!(parse(v.clone(), Some(28)).unwrap().target_layer_ids, vec![1, 7, 13, 19, 25]);
         assert!(parse(v, None).is_err());
     }
 
@@ -981,27 +837,18 @@ mod tests {
             ("use_sliding_window", json!(true)),
             ("architectures", json!(["DFlash2DraftModel"])),
             ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0})),
-            (
-                "rope_scaling",
-                json!({"mrope_section": [24, 20, 20], "type": "default"}),
-            ),
+            ("rope_scaling", json!({"mrope_section": [24, 20, 20], "type": "default"})),
         ];
         for (key, value) in cases {
             let mut v = qwen3_8b_like();
             v[key] = value;
-            assert!(
-                matches!(parse(v, None), Err(HeadError::Unsupported(_))),
-                "{key}"
-            );
+            assert!(matches!(parse(v, None), Err(HeadError::Unsupported(_))), "{key}");
         }
         let mut v = qwen3_8b_like();
         v["dflash_config"]["conv_kernel_size"] = json!(4);
         assert!(matches!(parse(v, None), Err(HeadError::Unsupported(_))));
         let mut v = qwen3_8b_like();
-        v["dflash_config"]
-            .as_object_mut()
-            .unwrap()
-            .remove("mask_token_id");
+        v["dflash_config"].as_object_mut().unwrap().remove("mask_token_id");
         assert!(matches!(parse(v, None), Err(HeadError::Config { .. })));
         let mut v = qwen3_8b_like();
         v["num_key_value_heads"] = json!(5);

@@ -69,10 +69,8 @@ pub fn write_random_head(
 ) -> Result<DraftHeadConfig, InitError> {
     let target = TargetDims::read(target_dir)?;
     check_spec(spec, &target)?;
-    let taps = spec
-        .tap_layers
-        .clone()
-        .unwrap_or_else(|| build_target_layer_ids(target.num_layers, spec.layers));
+    let taps =
+        spec.tap_layers.clone().unwrap_or_else(|| build_target_layer_ids(target.num_layers, spec.layers));
     if let Some(&bad) = taps.iter().find(|&&t| t >= target.num_layers) {
         return Err(InitError::Spec(format!(
             "tap layer {bad}, but the target has {} layers",
@@ -102,9 +100,7 @@ pub fn write_random_head(
 
 fn check_spec(spec: &HeadSpec, target: &TargetDims) -> Result<(), InitError> {
     if spec.layers == 0 || spec.block_size < 2 {
-        return Err(InitError::Spec(
-            "need at least one layer and a block of at least 2".into(),
-        ));
+        return Err(InitError::Spec("need at least one layer and a block of at least 2".into()));
     }
     if !matches!(spec.dtype, Kind::Float | Kind::BFloat16 | Kind::Half) {
         return Err(InitError::Spec(format!("dtype {:?}", spec.dtype)));
@@ -123,10 +119,7 @@ fn check_spec(spec: &HeadSpec, target: &TargetDims) -> Result<(), InitError> {
 }
 
 fn write_err(path: &Path, e: impl std::fmt::Display) -> InitError {
-    InitError::Write {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    }
+    InitError::Write { path: path.to_path_buf(), reason: e.to_string() }
 }
 
 /// The id of `<|vision_pad|>` among the target tokenizer's added tokens.
@@ -136,17 +129,9 @@ fn vision_pad_id(target_dir: &Path) -> Result<i64, InitError> {
     tokenizer
         .get("added_tokens")
         .and_then(Value::as_array)
-        .and_then(|tokens| {
-            tokens
-                .iter()
-                .find(|t| t.get("content").and_then(Value::as_str) == Some(TOKEN))
-        })
+        .and_then(|tokens| tokens.iter().find(|t| t.get("content").and_then(Value::as_str) == Some(TOKEN)))
         .and_then(|t| t.get("id").and_then(Value::as_i64))
-        .ok_or_else(|| {
-            InitError::Spec(format!(
-                "the target tokenizer has no {TOKEN}; pass mask_token_id"
-            ))
-        })
+        .ok_or_else(|| InitError::Spec(format!("the target tokenizer has no {TOKEN}; pass mask_token_id")))
 }
 
 /// `config.json` in the spelling of the public DFlash checkpoints (Qwen3Config keys, DFlash's
@@ -205,14 +190,8 @@ fn random_weights(target: &TargetDims, spec: &HeadSpec, taps: i64) -> Vec<(Strin
             (format!("{p}.self_attn.k_proj.weight"), vec![kv_dim, d]),
             (format!("{p}.self_attn.v_proj.weight"), vec![kv_dim, d]),
             (format!("{p}.self_attn.o_proj.weight"), vec![d, q_dim]),
-            (
-                format!("{p}.self_attn.q_norm.weight"),
-                vec![target.head_dim],
-            ),
-            (
-                format!("{p}.self_attn.k_norm.weight"),
-                vec![target.head_dim],
-            ),
+            (format!("{p}.self_attn.q_norm.weight"), vec![target.head_dim]),
+            (format!("{p}.self_attn.k_norm.weight"), vec![target.head_dim]),
             (format!("{p}.mlp.gate_proj.weight"), vec![inter, d]),
             (format!("{p}.mlp.up_proj.weight"), vec![inter, d]),
             (format!("{p}.mlp.down_proj.weight"), vec![d, inter]),
@@ -238,17 +217,13 @@ fn random_weights(target: &TargetDims, spec: &HeadSpec, taps: i64) -> Vec<(Strin
 fn normal_matrix(name: &str, shape: &[i64], spec: &HeadSpec) -> Tensor {
     let count: i64 = shape.iter().product();
     let mut rng = SplitMix64::new(spec.seed ^ name_hash(name));
-    let values: Vec<f32> = (0..count)
-        .map(|_| (rng.standard_normal() * spec.init_std) as f32)
-        .collect();
+    let values: Vec<f32> = (0..count).map(|_| (rng.standard_normal() * spec.init_std) as f32).collect();
     Tensor::from_slice(&values).view(shape)
 }
 
 /// FNV-1a of the name: a stable per-tensor seed offset.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// SplitMix64 (Steele et al.): tiny, fast, and enough for initial weights.

@@ -6,6 +6,7 @@
 pub mod engines;
 pub mod head;
 pub mod init;
+pub mod metrics;
 pub mod pld;
 pub mod service;
 pub mod session;

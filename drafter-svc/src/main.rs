@@ -44,12 +44,7 @@ enum Kind_ {
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    #[arg(
-        long,
-        env = "GLANCE_DRAFTER_KIND",
-        value_enum,
-        default_value = "block-head"
-    )]
+    #[arg(long, env = "GLANCE_DRAFTER_KIND", value_enum, default_value = "block-head")]
     kind: Kind_,
     /// Draft head directory (config.json + model.safetensors, DFlash layout).
     #[arg(long, env = "GLANCE_DRAFTER_HEAD")]
@@ -65,6 +60,9 @@ struct ServeArgs {
     dtype: String,
     #[arg(long, env = "GLANCE_DRAFTER_LISTEN", default_value = "127.0.0.1:50061")]
     listen: std::net::SocketAddr,
+    /// Prometheus metrics at http://ADDR/metrics, or `off`.
+    #[arg(long, env = "GLANCE_DRAFTER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
+    metrics_listen: String,
     /// Context positions one session may hold.
     #[arg(long, env = "GLANCE_DRAFTER_MAX_CONTEXT", default_value_t = 32768)]
     max_context: usize,
@@ -112,15 +110,18 @@ struct InitArgs {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    let telemetry = match glance_common::telemetry::init("drafter-svc") {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("drafter-svc: {e}");
+            std::process::exit(1);
+        }
+    };
     let result = match Cli::parse().command {
         Command::Serve(args) => serve(args).await,
         Command::Init(args) => init(args),
     };
+    telemetry.shutdown();
     if let Err(e) = result {
         eprintln!("drafter-svc: {e}");
         std::process::exit(1);
@@ -128,25 +129,21 @@ async fn main() {
 }
 
 fn device_and_kind(device: &str, dtype: &str) -> Result<(Device, Kind), String> {
-    let device = parse_device(device)
-        .ok_or_else(|| format!("--device {device:?}: expected cpu, cuda or cuda:N"))?;
+    let device =
+        parse_device(device).ok_or_else(|| format!("--device {device:?}: expected cpu, cuda or cuda:N"))?;
     let kind = match dtype {
         "auto" if device == Device::Cpu => Kind::Float,
         "auto" => Kind::BFloat16,
-        name => parse_kind(name)
-            .ok_or_else(|| format!("--dtype {name:?}: expected auto, f32, bf16 or f16"))?,
+        name => {
+            parse_kind(name).ok_or_else(|| format!("--dtype {name:?}: expected auto, f32, bf16 or f16"))?
+        }
     };
     Ok((device, kind))
 }
 
-fn build_engine(
-    args: &ServeArgs,
-    device: Device,
-    kind: Kind,
-) -> Result<Box<dyn DraftEngine>, String> {
+fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn DraftEngine>, String> {
     let need = |what: &Option<PathBuf>, flag: &str| {
-        what.clone()
-            .ok_or_else(|| format!("--kind {:?} needs {flag}", args.kind))
+        what.clone().ok_or_else(|| format!("--kind {:?} needs {flag}", args.kind))
     };
     let engine: Box<dyn DraftEngine> = match args.kind {
         Kind_::BlockHead => {
@@ -166,14 +163,8 @@ fn build_engine(
         }
         Kind_::TestOracle => {
             let file = need(&args.oracle_file, "--oracle-file")?;
-            let text =
-                std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-            Box::new(testing::OracleEngine::from_json(
-                &text,
-                args.block_size,
-                args.vocab_size,
-                args.seed,
-            )?)
+            let text = std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            Box::new(testing::OracleEngine::from_json(&text, args.block_size, args.vocab_size, args.seed)?)
         }
         Kind_::TestGarbage => Box::new(testing::GarbageEngine::new(
             args.block_size,
@@ -194,15 +185,21 @@ fn build_engine(
 
 async fn serve(args: ServeArgs) -> Result<(), String> {
     let (device, kind) = device_and_kind(&args.device, &args.dtype)?;
+    if args.metrics_listen != "off" {
+        let addr = args
+            .metrics_listen
+            .parse()
+            .map_err(|e| format!("--metrics-listen {}: {e}", args.metrics_listen))?;
+        glance_common::telemetry::serve_metrics(addr, &drafter_svc::metrics::buckets())
+            .map_err(|e| e.to_string())?;
+        drafter_svc::metrics::describe();
+    }
     let engine: Arc<dyn DraftEngine> = Arc::from(build_engine(&args, device, kind)?);
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let listener =
+        TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<pb::drafter_server::DrafterServer<DrafterService>>()
-        .await;
+    health_reporter.set_serving::<pb::drafter_server::DrafterServer<DrafterService>>().await;
     let drafter = pb::drafter_server::DrafterServer::new(DrafterService::new(engine, device))
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
@@ -223,8 +220,7 @@ fn init(args: InitArgs) -> Result<(), String> {
         mask_token_id: args.mask_token_id,
         ..drafter_svc::init::HeadSpec::new(args.layers, args.block_size, args.seed)
     };
-    drafter_svc::init::write_random_head(&args.target, &args.out, &spec)
-        .map_err(|e| e.to_string())?;
+    drafter_svc::init::write_random_head(&args.target, &args.out, &spec).map_err(|e| e.to_string())?;
     println!("wrote a random draft head to {}", args.out.display());
     Ok(())
 }

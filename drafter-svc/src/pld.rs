@@ -14,10 +14,7 @@ pub struct PromptLookup {
 
 impl PromptLookup {
     pub fn new(max_draft: usize) -> Self {
-        Self {
-            max_ngram: 3,
-            max_draft,
-        }
+        Self { max_ngram: 3, max_draft }
     }
 
     /// `history`: prompt and committed tokens, ending with the root. Finds the longest suffix
@@ -43,13 +40,10 @@ impl PromptLookup {
         }
         let suffix = &history[len - n..];
         // Start positions s < len − n: the occurrence may overlap the suffix but is not it.
-        (0..len - n)
-            .rev()
-            .find(|&s| &history[s..s + n] == suffix)
-            .map(|s| {
-                let from = s + n;
-                &history[from..(from + self.max_draft).min(len)]
-            })
+        (0..len - n).rev().find(|&s| &history[s..s + n] == suffix).map(|s| {
+            let from = s + n;
+            &history[from..(from + self.max_draft).min(len)]
+        })
     }
 }
 
@@ -57,13 +51,7 @@ fn as_chain(tokens: &[i64]) -> Vec<TreeNode> {
     tokens
         .iter()
         .enumerate()
-        .map(|(i, &token)| TreeNode {
-            token,
-            depth: i + 1,
-            parent: i as i32 - 1,
-            rank: 0,
-            log_prob: 0.0,
-        })
+        .map(|(i, &token)| TreeNode { token, depth: i + 1, parent: i as i32 - 1, rank: 0, log_prob: 0.0 })
         .collect()
 }
 

@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::metrics as names;
 use crate::session::{DraftEngine, DraftError, RoundInput, Session};
 
 pub struct DrafterService {
@@ -28,9 +29,9 @@ impl DrafterService {
 impl From<DraftError> for Status {
     fn from(e: DraftError) -> Self {
         match e {
-            DraftError::ContextGap { .. }
-            | DraftError::RootPosition { .. }
-            | DraftError::States(_) => Status::invalid_argument(e.to_string()),
+            DraftError::ContextGap { .. } | DraftError::RootPosition { .. } | DraftError::States(_) => {
+                Status::invalid_argument(e.to_string())
+            }
             DraftError::Capacity(_) => Status::resource_exhausted(e.to_string()),
             DraftError::Internal(_) => Status::internal(e.to_string()),
         }
@@ -45,10 +46,7 @@ impl pb::drafter_server::Drafter for DrafterService {
     ) -> Result<Response<pb::HandshakeResponse>, Status> {
         let theirs = request.into_inner().target_fingerprint;
         let ours = self.engine.handshake();
-        if !ours.target_fingerprint.is_empty()
-            && !theirs.is_empty()
-            && theirs != ours.target_fingerprint
-        {
+        if !ours.target_fingerprint.is_empty() && !theirs.is_empty() && theirs != ours.target_fingerprint {
             return Err(Status::failed_precondition(format!(
                 "this drafter was built for target {}, the verifier serves {theirs}",
                 ours.target_fingerprint
@@ -63,6 +61,9 @@ impl pb::drafter_server::Drafter for DrafterService {
         &self,
         request: Request<Streaming<pb::DraftRequest>>,
     ) -> Result<Response<Self::DraftStream>, Status> {
+        // The session's spans join the verifier's trace (traceparent in the stream's metadata).
+        let span = tracing::info_span!("draft_session");
+        glance_common::telemetry::continue_trace(&span, request.metadata());
         let mut inbound = request.into_inner();
         let (replies, stream) = mpsc::channel(4);
         let (work, queue) = std::sync::mpsc::channel::<pb::DraftRequest>();
@@ -72,10 +73,8 @@ impl pb::drafter_server::Drafter for DrafterService {
         // The session (and its draft KV cache) lives on this thread until the stream ends.
         std::thread::Builder::new()
             .name("draft-session".into())
-            .spawn(move || run_session(session, queue, worker_replies, device))
-            .map_err(|e| {
-                Status::resource_exhausted(format!("cannot start a draft session: {e}"))
-            })?;
+            .spawn(move || run_session(session, queue, worker_replies, device, span))
+            .map_err(|e| Status::resource_exhausted(format!("cannot start a draft session: {e}")))?;
         tokio::spawn(async move {
             loop {
                 match inbound.message().await {
@@ -101,23 +100,44 @@ fn run_session(
     queue: std::sync::mpsc::Receiver<pb::DraftRequest>,
     replies: mpsc::Sender<Result<pb::DraftResponse, Status>>,
     device: Device,
+    span: tracing::Span,
 ) {
     let _no_grad = tch::no_grad_guard();
+    metrics::gauge!(names::SESSIONS_OPEN).increment(1.0);
+    let _closed = scopeguard(|| metrics::gauge!(names::SESSIONS_OPEN).decrement(1.0));
     for message in queue {
-        match handle(session.as_mut(), message, device) {
+        let round_span = tracing::info_span!(parent: &span, "draft_round", rows = message.context.as_ref().map_or(0, |c| c.tokens.len()));
+        let answer = round_span.in_scope(|| handle(session.as_mut(), message, device));
+        match answer {
             Ok(None) => {}
             Ok(Some(response)) => {
+                metrics::counter!(names::ROUNDS).increment(1);
+                metrics::histogram!(names::DRAFT_LATENCY).record(response.draft_ms / 1e3);
                 if replies.blocking_send(Ok(response)).is_err() {
                     return;
                 }
             }
             Err(status) => {
                 // The stream's state is unknown after an error: report it and end the session.
+                metrics::counter!(names::FAILED_ROUNDS).increment(1);
                 let _ = replies.blocking_send(Err(status));
                 return;
             }
         }
     }
+}
+
+/// Runs `f` when dropped.
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
 }
 
 /// Appends the context rows and, on a round message, drafts a tree.

@@ -40,11 +40,7 @@ impl Tree {
     }
 
     pub fn push(&mut self, token: u32, parent: i32, log_prob: f32) -> i32 {
-        let depth = if parent < 0 {
-            1
-        } else {
-            self.depths[parent as usize] + 1
-        };
+        let depth = if parent < 0 { 1 } else { self.depths[parent as usize] + 1 };
         self.tokens.push(token);
         self.parents.push(parent);
         self.depths.push(depth);
@@ -97,10 +93,7 @@ pub struct TokenHistory {
 impl TokenHistory {
     pub fn append(&mut self, first_position: usize, tokens: &[u32]) -> Result<(), DraftError> {
         if first_position != self.tokens.len() {
-            return Err(DraftError::ContextGap {
-                expected: self.tokens.len(),
-                got: first_position,
-            });
+            return Err(DraftError::ContextGap { expected: self.tokens.len(), got: first_position });
         }
         self.tokens.extend_from_slice(tokens);
         Ok(())
@@ -108,10 +101,7 @@ impl TokenHistory {
 
     pub fn check_root(&self, round: &RoundInput) -> Result<(), DraftError> {
         if round.root_position != self.tokens.len() {
-            return Err(DraftError::RootPosition {
-                root: round.root_position,
-                context: self.tokens.len(),
-            });
+            return Err(DraftError::RootPosition { root: round.root_position, context: self.tokens.len() });
         }
         Ok(())
     }

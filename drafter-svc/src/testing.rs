@@ -59,29 +59,15 @@ pub struct OracleEngine {
 
 impl OracleEngine {
     /// `sequences_json`: a JSON array of token arrays (prompt + greedy continuation).
-    pub fn from_json(
-        text: &str,
-        block_size: usize,
-        vocab_size: u32,
-        seed: u64,
-    ) -> Result<Self, String> {
+    pub fn from_json(text: &str, block_size: usize, vocab_size: u32, seed: u64) -> Result<Self, String> {
         let sequences: Vec<Vec<u32>> = serde_json::from_str(text).map_err(|e| e.to_string())?;
-        Ok(Self {
-            sequences: Arc::new(sequences),
-            block_size,
-            vocab_size,
-            seed,
-        })
+        Ok(Self { sequences: Arc::new(sequences), block_size, vocab_size, seed })
     }
 }
 
 impl DraftEngine for OracleEngine {
     fn handshake(&self) -> pb::HandshakeResponse {
-        handshake(
-            pb::DrafterKind::TestOracle,
-            self.block_size as u32,
-            self.vocab_size,
-        )
+        handshake(pb::DrafterKind::TestOracle, self.block_size as u32, self.vocab_size)
     }
 
     fn new_session(&self) -> Box<dyn Session> {
@@ -104,12 +90,7 @@ struct OracleSession {
 }
 
 impl Session for OracleSession {
-    fn append_context(
-        &mut self,
-        first: usize,
-        tokens: &[u32],
-        _: Option<Tensor>,
-    ) -> Result<(), DraftError> {
+    fn append_context(&mut self, first: usize, tokens: &[u32], _: Option<Tensor>) -> Result<(), DraftError> {
         self.history.append(first, tokens)
     }
 
@@ -120,13 +101,7 @@ impl Session for OracleSession {
             .sequences
             .iter()
             .find(|s| s.len() > sequence.len() && s.starts_with(&sequence))
-            .map(|s| {
-                s[sequence.len()..]
-                    .iter()
-                    .take(self.block_size - 1)
-                    .copied()
-                    .collect()
-            })
+            .map(|s| s[sequence.len()..].iter().take(self.block_size - 1).copied().collect())
             .unwrap_or_default();
         // The true path first, then random siblings hung off it until the budget is spent.
         let mut tree = Tree::default();
@@ -160,22 +135,13 @@ pub struct GarbageEngine {
 
 impl GarbageEngine {
     pub fn new(block_size: usize, vocab_size: u32, seed: u64, malformed_rate: f64) -> Self {
-        Self {
-            block_size,
-            vocab_size,
-            seed,
-            malformed_rate,
-        }
+        Self { block_size, vocab_size, seed, malformed_rate }
     }
 }
 
 impl DraftEngine for GarbageEngine {
     fn handshake(&self) -> pb::HandshakeResponse {
-        handshake(
-            pb::DrafterKind::TestGarbage,
-            self.block_size as u32,
-            self.vocab_size,
-        )
+        handshake(pb::DrafterKind::TestGarbage, self.block_size as u32, self.vocab_size)
     }
 
     fn new_session(&self) -> Box<dyn Session> {
@@ -198,12 +164,7 @@ struct GarbageSession {
 }
 
 impl Session for GarbageSession {
-    fn append_context(
-        &mut self,
-        first: usize,
-        tokens: &[u32],
-        _: Option<Tensor>,
-    ) -> Result<(), DraftError> {
+    fn append_context(&mut self, first: usize, tokens: &[u32], _: Option<Tensor>) -> Result<(), DraftError> {
         self.history.append(first, tokens)
     }
 
@@ -212,11 +173,7 @@ impl Session for GarbageSession {
         let mut tree = Tree::default();
         let nodes = 1 + self.rng.below(round.budget.max(1) as u64) as usize;
         for i in 0..nodes {
-            let parent = if i == 0 {
-                -1
-            } else {
-                self.rng.below(i as u64 + 1) as i32 - 1
-            };
+            let parent = if i == 0 { -1 } else { self.rng.below(i as u64 + 1) as i32 - 1 };
             if parent >= 0 && tree.depths[parent as usize] as usize >= self.block_size - 1 {
                 continue;
             }

@@ -13,33 +13,17 @@ pub enum TreeError {
     #[error("draft logits of shape {0:?}, expected [offsets, vocab]")]
     LogitsShape(Vec<i64>),
     #[error("tree arrays disagree: {tokens} tokens, {parents} parents, {depths} depths")]
-    LengthMismatch {
-        tokens: usize,
-        parents: usize,
-        depths: usize,
-    },
+    LengthMismatch { tokens: usize, parents: usize, depths: usize },
     #[error("tree of {nodes} nodes exceeds the limit of {max}")]
     TooManyNodes { nodes: usize, max: usize },
     #[error("node {index}: token {token} outside the vocabulary of {vocab}")]
-    TokenOutOfVocab {
-        index: usize,
-        token: u32,
-        vocab: usize,
-    },
+    TokenOutOfVocab { index: usize, token: u32, vocab: usize },
     #[error("node {index}: parent {parent} is not -1 or an earlier node")]
     BadParent { index: usize, parent: i32 },
     #[error("node {index}: depth {depth}, but its parent's depth + 1 is {expected}")]
-    BadDepth {
-        index: usize,
-        depth: u32,
-        expected: u64,
-    },
+    BadDepth { index: usize, depth: u32, expected: u64 },
     #[error("node {index}: depth {depth} exceeds the limit of {max}")]
-    TooDeep {
-        index: usize,
-        depth: u32,
-        max: usize,
-    },
+    TooDeep { index: usize, depth: u32, max: usize },
 }
 
 /// One candidate token. Depth 0 is the pending root (implicit, parent −1 addresses it).
@@ -60,37 +44,25 @@ pub struct TreeNode {
 /// then `torch.topk`, sorted descending, ties as torch orders them). `logits`: (L, V), any dtype
 /// and device. `k` is clamped to V.
 #[allow(clippy::type_complexity)]
-pub fn top_k_log_probs(
-    logits: &Tensor,
-    k: usize,
-) -> Result<(Vec<Vec<i64>>, Vec<Vec<f32>>), TreeError> {
+pub fn top_k_log_probs(logits: &Tensor, k: usize) -> Result<(Vec<Vec<i64>>, Vec<Vec<f32>>), TreeError> {
     let size = logits.size();
     let [offsets, vocab] = size[..] else {
         return Err(TreeError::LogitsShape(size));
     };
     let k = (k as i64).min(vocab);
-    let (values, indices) = tch::no_grad(|| {
-        logits
-            .to_kind(Kind::Float)
-            .log_softmax(-1, Kind::Float)
-            .topk(k, -1, true, true)
-    });
+    let (values, indices) =
+        tch::no_grad(|| logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float).topk(k, -1, true, true));
     let values = Vec::<f32>::try_from(values.to_device(tch::Device::Cpu).flatten(0, -1))
         .map_err(|_| TreeError::LogitsShape(size.clone()))?;
     let indices = Vec::<i64>::try_from(indices.to_device(tch::Device::Cpu).flatten(0, -1))
         .map_err(|_| TreeError::LogitsShape(size.clone()))?;
     let k = k as usize;
-    Ok((
-        split_rows(&indices, offsets as usize, k),
-        split_rows(&values, offsets as usize, k),
-    ))
+    Ok((split_rows(&indices, offsets as usize, k), split_rows(&values, offsets as usize, k)))
 }
 
 /// `rows` consecutive rows of `width` from a row-major buffer.
 fn split_rows<T: Copy>(flat: &[T], rows: usize, width: usize) -> Vec<Vec<T>> {
-    (0..rows)
-        .map(|r| flat[r * width..(r + 1) * width].to_vec())
-        .collect()
+    (0..rows).map(|r| flat[r * width..(r + 1) * width].to_vec()).collect()
 }
 
 /// A pending expansion, ordered as GLANCE's Python heap tuple
@@ -152,10 +124,7 @@ pub fn build_budget_tree(
     branch_k: usize,
 ) -> Vec<TreeNode> {
     let depth_max = top_ids.len().min(top_logp.len());
-    let width = (0..depth_max)
-        .map(|d| top_ids[d].len().min(top_logp[d].len()))
-        .min()
-        .unwrap_or(0);
+    let width = (0..depth_max).map(|d| top_ids[d].len().min(top_logp[d].len())).min().unwrap_or(0);
     let k = branch_k.min(width);
     let logp = |depth: usize, rank: usize| -> f64 {
         let value = f64::from(top_logp[depth][rank]);
@@ -168,13 +137,7 @@ pub fn build_budget_tree(
     let mut heap = BinaryHeap::new();
     let mut order = 0u64;
     let mut push = |heap: &mut BinaryHeap<Candidate>, neg_cum, depth, parent, rank| {
-        heap.push(Candidate {
-            neg_cum,
-            depth,
-            parent,
-            rank,
-            order,
-        });
+        heap.push(Candidate { neg_cum, depth, parent, rank, order });
         order += 1;
     };
     if depth_max > 0 {
@@ -195,13 +158,7 @@ pub fn build_budget_tree(
         });
         if best.depth < depth_max {
             for r in 0..k {
-                push(
-                    &mut heap,
-                    best.neg_cum - logp(best.depth, r),
-                    best.depth + 1,
-                    here,
-                    r,
-                );
+                push(&mut heap, best.neg_cum - logp(best.depth, r), best.depth + 1, here, r);
             }
         }
     }
@@ -219,13 +176,7 @@ pub fn chain(top_ids: &[Vec<i64>], top_logp: &[Vec<f32>], len: usize) -> Vec<Tre
         .enumerate()
         .map(|(d, (token, lp))| {
             cumulative += lp;
-            TreeNode {
-                token,
-                depth: d + 1,
-                parent: d as i32 - 1,
-                rank: 0,
-                log_prob: cumulative,
-            }
+            TreeNode { token, depth: d + 1, parent: d as i32 - 1, rank: 0, log_prob: cumulative }
         })
         .collect()
 }
@@ -249,18 +200,11 @@ pub fn validate_tree(
         });
     }
     if tokens.len() > max_nodes {
-        return Err(TreeError::TooManyNodes {
-            nodes: tokens.len(),
-            max: max_nodes,
-        });
+        return Err(TreeError::TooManyNodes { nodes: tokens.len(), max: max_nodes });
     }
     for (index, ((&token, &parent), &depth)) in tokens.iter().zip(parents).zip(depths).enumerate() {
         if token as usize >= vocab {
-            return Err(TreeError::TokenOutOfVocab {
-                index,
-                token,
-                vocab,
-            });
+            return Err(TreeError::TokenOutOfVocab { index, token, vocab });
         }
         let parent_depth = match parent {
             -1 => 0,
@@ -268,18 +212,10 @@ pub fn validate_tree(
             _ => return Err(TreeError::BadParent { index, parent }),
         };
         if u64::from(depth) != parent_depth + 1 {
-            return Err(TreeError::BadDepth {
-                index,
-                depth,
-                expected: parent_depth + 1,
-            });
+            return Err(TreeError::BadDepth { index, depth, expected: parent_depth + 1 });
         }
         if depth as usize > max_depth {
-            return Err(TreeError::TooDeep {
-                index,
-                depth,
-                max: max_depth,
-            });
+            return Err(TreeError::TooDeep { index, depth, max: max_depth });
         }
     }
     Ok(())
@@ -290,10 +226,7 @@ mod tests {
     use super::*;
 
     fn shape(nodes: &[TreeNode]) -> Vec<(i64, usize, i32, usize)> {
-        nodes
-            .iter()
-            .map(|n| (n.token, n.depth, n.parent, n.rank))
-            .collect()
+        nodes.iter().map(|n| (n.token, n.depth, n.parent, n.rank)).collect()
     }
 
     #[test]
@@ -302,10 +235,7 @@ mod tests {
         let logp = vec![vec![-0.1, -2.0], vec![-0.5, -0.7], vec![-3.0, -4.0]];
         let nodes = build_budget_tree(&ids, &logp, 4, 2);
         // 10 (-0.1), 10>20 (-0.6), 10>21 (-0.8), 11 (-2.0)
-        assert_eq!(
-            shape(&nodes),
-            vec![(10, 1, -1, 0), (20, 2, 0, 0), (21, 2, 0, 1), (11, 1, -1, 1)]
-        );
+        assert_eq!(shape(&nodes), vec![(10, 1, -1, 0), (20, 2, 0, 0), (21, 2, 0, 1), (11, 1, -1, 1)]);
         assert!((nodes[1].log_prob - (-0.1f32 as f64 + -0.5f32 as f64)).abs() < 1e-12);
         let v = |n: &[TreeNode]| {
             let tokens: Vec<u32> = n.iter().map(|n| n.token as u32).collect();
@@ -327,10 +257,7 @@ mod tests {
         let ids = vec![vec![1, 2], vec![3, 4]];
         let logp = vec![vec![0.0, -0.0], vec![0.0, -1.0]];
         let nodes = build_budget_tree(&ids, &logp, 3, 2);
-        assert_eq!(
-            shape(&nodes),
-            vec![(1, 1, -1, 0), (2, 1, -1, 1), (3, 2, 0, 0)]
-        );
+        assert_eq!(shape(&nodes), vec![(1, 1, -1, 0), (2, 1, -1, 1), (3, 2, 0, 0)]);
     }
 
     #[test]

@@ -19,12 +19,10 @@ const QWEN3_LEGACY: &str = "tiny-qwen3-vl-legacy";
 const QWEN25: &str = "tiny-qwen2.5-vl";
 
 fn fixture_root() -> Option<PathBuf> {
-    let root = std::env::var_os("GLANCE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-            manifest.parent().unwrap_or(manifest).join("tests/fixtures")
-        });
+    let root = std::env::var_os("GLANCE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        manifest.parent().unwrap_or(manifest).join("tests/fixtures")
+    });
     if root.join(QWEN3).is_dir() {
         return Some(root);
     }
@@ -33,10 +31,7 @@ fn fixture_root() -> Option<PathBuf> {
         "GLANCE_REQUIRE_FIXTURES=1 but {} has no {QWEN3}",
         root.display()
     );
-    eprintln!(
-        "SKIPPED: no tiny targets under {} (run tests/reference/make_reference.py)",
-        root.display()
-    );
+    eprintln!("SKIPPED: no tiny targets under {} (run tests/reference/make_reference.py)", root.display());
     None
 }
 
@@ -48,10 +43,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn spec(seed: u64) -> HeadSpec {
-    HeadSpec {
-        tap_layers: Some(vec![0, 1, 3]),
-        ..HeadSpec::new(2, 8, seed)
-    }
+    HeadSpec { tap_layers: Some(vec![0, 1, 3]), ..HeadSpec::new(2, 8, seed) }
 }
 
 fn random_context(rows: i64, width: i64, seed: i64) -> Tensor {
@@ -73,10 +65,7 @@ fn same_seed_same_bytes() -> Result<()> {
     assert_eq!(read(&a, "config.json"), read(&b, "config.json"));
     assert_eq!(read(&a, "model.safetensors"), read(&b, "model.safetensors"));
     assert_ne!(read(&a, "model.safetensors"), read(&c, "model.safetensors"));
-    assert_eq!(
-        config.mask_token_id, 11,
-        "the tiny tokenizer's <|vision_pad|>"
-    );
+    assert_eq!(config.mask_token_id, 11, "the tiny tokenizer's <|vision_pad|>");
     assert_eq!(config.target_layer_ids, vec![0, 1, 3]);
     assert_eq!((config.block_size, config.num_layers), (8, 2));
     for dir in [a, b, c] {
@@ -92,19 +81,10 @@ fn rejects_specs_that_do_not_fit_the_target() -> Result<()> {
     };
     let target = root.join(QWEN3);
     let out = scratch("bad");
-    let bad_taps = HeadSpec {
-        tap_layers: Some(vec![4]),
-        ..spec(0)
-    };
-    let bad_mask = HeadSpec {
-        mask_token_id: Some(1024),
-        ..spec(0)
-    };
+    let bad_taps = HeadSpec { tap_layers: Some(vec![4]), ..spec(0) };
+    let bad_mask = HeadSpec { mask_token_id: Some(1024), ..spec(0) };
     for bad in [bad_taps, bad_mask] {
-        assert!(matches!(
-            write_random_head(&target, &out, &bad),
-            Err(InitError::Spec(_))
-        ));
+        assert!(matches!(write_random_head(&target, &out, &bad), Err(InitError::Spec(_))));
     }
     // 3 target layers are too few for DFlash's default tap rule (layers 1..n−3).
     let default_taps = HeadSpec::new(2, 8, 0);
@@ -151,19 +131,10 @@ fn tied_target_and_bf16_head() -> Result<()> {
     };
     let target_dir = root.join(QWEN25);
     let dir = scratch("tied");
-    let spec = HeadSpec {
-        tap_layers: Some(vec![0, 1, 2]),
-        dtype: Kind::BFloat16,
-        ..HeadSpec::new(1, 4, 5)
-    };
+    let spec = HeadSpec { tap_layers: Some(vec![0, 1, 2]), dtype: Kind::BFloat16, ..HeadSpec::new(1, 4, 5) };
     write_random_head(&target_dir, &dir, &spec)?;
     let head = DraftHead::load(&dir, &target_dir, Kind::Float, Device::Cpu)?;
-    let logits = head.draft(
-        &mut head.new_cache(16),
-        &random_context(3, 3 * 64, 2),
-        100,
-        3,
-    )?;
+    let logits = head.draft(&mut head.new_cache(16), &random_context(3, 3 * 64, 2), 100, 3)?;
     assert_eq!(logits.size(), [3, head.vocab_size()]);
     assert!(bool::try_from(logits.isfinite().all())?);
     std::fs::remove_dir_all(dir)?;
@@ -185,8 +156,7 @@ fn selective_reader_matches_the_full_loader() -> Result<()> {
     assert_eq!(found.len(), 2, "absent names are left out");
     if root.join(QWEN3_LEGACY).is_dir() {
         // Sharded, with 4.x names.
-        let legacy =
-            read_named_tensors(&root.join(QWEN3_LEGACY), &names, Kind::Float, Device::Cpu)?;
+        let legacy = read_named_tensors(&root.join(QWEN3_LEGACY), &names, Kind::Float, Device::Cpu)?;
         assert!(legacy[LEGACY_EMBED].equal(target.text.embed_tokens()));
         assert!(legacy["lm_head.weight"].equal(target.text.lm_head()));
     }

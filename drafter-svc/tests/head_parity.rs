@@ -21,12 +21,10 @@ const F32_TOLERANCE: f64 = 1e-4;
 
 /// The fixture root holding the DFlash reference, or `None` when absent and not required.
 fn fixture_root() -> Option<PathBuf> {
-    let root = std::env::var_os("GLANCE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-            manifest.parent().unwrap_or(manifest).join("tests/fixtures")
-        });
+    let root = std::env::var_os("GLANCE_FIXTURES").map(PathBuf::from).unwrap_or_else(|| {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        manifest.parent().unwrap_or(manifest).join("tests/fixtures")
+    });
     if root.join(HEAD).join("reference").is_dir() && root.join(TARGET).is_dir() {
         return Some(root);
     }
@@ -51,13 +49,10 @@ struct Call {
 }
 
 fn reference_calls(head_dir: &Path) -> Result<Vec<Call>> {
-    let meta: Value = serde_json::from_str(&std::fs::read_to_string(
-        head_dir.join("reference/draft_calls.json"),
-    )?)?;
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(head_dir.join("reference/draft_calls.json"))?)?;
     let mut tensors: std::collections::HashMap<String, Tensor> =
-        Tensor::read_safetensors(head_dir.join("reference/draft_calls.safetensors"))?
-            .into_iter()
-            .collect();
+        Tensor::read_safetensors(head_dir.join("reference/draft_calls.safetensors"))?.into_iter().collect();
     let calls = meta["calls"].as_array().context("calls")?;
     calls
         .iter()
@@ -74,10 +69,7 @@ fn reference_calls(head_dir: &Path) -> Result<Vec<Call>> {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
-        .abs()
-        .max()
-        .double_value(&[])
+    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float)).abs().max().double_value(&[])
 }
 
 /// Runs every call through one draft cache; returns the max |Δ| per call.
@@ -86,12 +78,7 @@ fn run_calls(head: &DraftHead, calls: &[Call]) -> Result<Vec<f64>> {
     calls
         .iter()
         .map(|call| {
-            let logits = head.draft(
-                &mut cache,
-                &call.context,
-                call.root_token,
-                call.root_position,
-            )?;
+            let logits = head.draft(&mut cache, &call.context, call.root_token, call.root_position)?;
             assert_eq!(logits.size(), call.logits.size());
             assert_eq!(cache.len(), call.root_position, "only context rows persist");
             Ok(max_abs_diff(&logits, &call.logits))
@@ -171,57 +158,22 @@ fn refuses_inputs_that_would_desync_the_cache() -> Result<()> {
     let mut cache = head.new_cache(64);
     let input_err = |r: Result<Tensor, HeadError>| matches!(r, Err(HeadError::Input(_)));
     // Root position not right after the cached + new rows.
-    assert!(input_err(head.draft(
-        &mut cache,
-        &first.context,
-        5,
-        first.root_position + 1
-    )));
+    assert!(input_err(head.draft(&mut cache, &first.context, 5, first.root_position + 1)));
     // Wrong width, wrong rank, non-float states, token outside the vocabulary.
     let narrow = first.context.narrow(1, 0, 64);
-    assert!(input_err(head.draft(
-        &mut cache,
-        &narrow,
-        5,
-        first.root_position
-    )));
-    assert!(input_err(head.draft(
-        &mut cache,
-        &first.context.flatten(0, -1),
-        5,
-        3840
-    )));
+    assert!(input_err(head.draft(&mut cache, &narrow, 5, first.root_position)));
+    assert!(input_err(head.draft(&mut cache, &first.context.flatten(0, -1), 5, 3840)));
     let ints = first.context.to_kind(Kind::Int64);
-    assert!(input_err(head.draft(
-        &mut cache,
-        &ints,
-        5,
-        first.root_position
-    )));
-    assert!(input_err(head.draft(
-        &mut cache,
-        &first.context,
-        1024,
-        first.root_position
-    )));
-    assert!(input_err(head.draft(
-        &mut cache,
-        &first.context,
-        -1,
-        first.root_position
-    )));
+    assert!(input_err(head.draft(&mut cache, &ints, 5, first.root_position)));
+    assert!(input_err(head.draft(&mut cache, &first.context, 1024, first.root_position)));
+    assert!(input_err(head.draft(&mut cache, &first.context, -1, first.root_position)));
     // No room for context + block.
     let mut small = head.new_cache(first.root_position + 15);
     let full = head.draft(&mut small, &first.context, 5, first.root_position);
     assert!(matches!(full, Err(HeadError::Cache(_))));
     assert_eq!(cache.len(), 0, "failed calls leave the cache untouched");
     // A good call still works afterwards.
-    let logits = head.draft(
-        &mut cache,
-        &first.context,
-        first.root_token,
-        first.root_position,
-    )?;
+    let logits = head.draft(&mut cache, &first.context, first.root_token, first.root_position)?;
     assert!(max_abs_diff(&logits, &first.logits) <= F32_TOLERANCE);
     Ok(())
 }

@@ -17,11 +17,7 @@ fn fixture() -> Value {
 }
 
 fn ints(v: &Value) -> Vec<i64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_i64().expect("integer"))
-        .collect()
+    v.as_array().expect("array").iter().map(|x| x.as_i64().expect("integer")).collect()
 }
 
 fn matrix<T>(v: &Value, cell: impl Fn(&Value) -> T) -> Vec<Vec<T>> {
@@ -40,9 +36,7 @@ fn budget_trees_match_the_python_heap() {
         let name = case["name"].as_str().expect("name");
         let ids = matrix(&case["top_ids"], |x| x.as_i64().expect("id"));
         // Bit patterns, so the f32 values are exactly the generator's.
-        let logp = matrix(&case["logp_bits"], |x| {
-            f32::from_bits(x.as_u64().expect("bits") as u32)
-        });
+        let logp = matrix(&case["logp_bits"], |x| f32::from_bits(x.as_u64().expect("bits") as u32));
         let budget = case["budget"].as_u64().expect("budget") as usize;
         let branch_k = case["branch_k"].as_u64().expect("branch_k") as usize;
         let nodes = build_budget_tree(&ids, &logp, budget, branch_k);
@@ -56,16 +50,8 @@ fn budget_trees_match_the_python_heap() {
                 want["parent"].clone(),
                 want["rank"].clone(),
             ]));
-            let got_shape = vec![
-                node.token,
-                node.depth as i64,
-                i64::from(node.parent),
-                node.rank as i64,
-            ];
-            assert_eq!(
-                got_shape, want_shape,
-                "{name}: node {i} (token, depth, parent, rank)"
-            );
+            let got_shape = vec![node.token, node.depth as i64, i64::from(node.parent), node.rank as i64];
+            assert_eq!(got_shape, want_shape, "{name}: node {i} (token, depth, parent, rank)");
             let want_bits =
                 u64::from_str_radix(want["log_prob_bits"].as_str().unwrap(), 16).expect("hex bits");
             assert_eq!(

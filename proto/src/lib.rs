@@ -7,6 +7,5 @@ pub mod v1 {
     tonic::include_proto!("glance.v1");
 
     /// Encoded descriptor set of the public services, for gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        tonic::include_file_descriptor_set!("glance_v1_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("glance_v1_descriptor");
 }

@@ -12,17 +12,9 @@ pub mod process;
 pub mod suite;
 
 /// The two reference families and their model directories (5.x layout, then the sharded 4.x one).
-pub const FAMILIES: [(&str, &str); 2] = [
-    ("tiny-qwen3-vl", "tiny-qwen3-vl-legacy"),
-    ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-legacy"),
-];
-pub const CASES: [&str; 5] = [
-    "text_only",
-    "one_image",
-    "two_images",
-    "resized",
-    "multi_turn",
-];
+pub const FAMILIES: [(&str, &str); 2] =
+    [("tiny-qwen3-vl", "tiny-qwen3-vl-legacy"), ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-legacy")];
+pub const CASES: [&str; 5] = ["text_only", "one_image", "two_images", "resized", "multi_turn"];
 
 /// Where the reference fixtures live: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`.
 /// Returns None (the caller skips) only when they are absent and not required by
@@ -35,15 +27,9 @@ pub fn fixtures() -> Option<PathBuf> {
         return Some(root);
     }
     if std::env::var("GLANCE_REQUIRE_FIXTURES").as_deref() == Ok("1") {
-        panic!(
-            "reference fixtures missing at {} (run scripts/setup.sh)",
-            root.display()
-        );
+        panic!("reference fixtures missing at {} (run scripts/setup.sh)", root.display());
     }
-    eprintln!(
-        "skipping: no reference fixtures at {} (run scripts/setup.sh)",
-        root.display()
-    );
+    eprintln!("skipping: no reference fixtures at {} (run scripts/setup.sh)", root.display());
     None
 }
 
@@ -67,20 +53,17 @@ pub struct Case {
 impl Case {
     pub fn load(model_dir: &Path, name: &str) -> Case {
         let reference = model_dir.join("reference");
-        let text =
-            std::fs::read_to_string(reference.join(format!("{name}.json"))).expect("case json");
+        let text = std::fs::read_to_string(reference.join(format!("{name}.json"))).expect("case json");
         let mut case: Case = serde_json::from_str(&text).expect("case json parses");
-        let tensors = Tensor::read_safetensors(reference.join(format!("{name}.safetensors")))
-            .expect("case tensors");
+        let tensors =
+            Tensor::read_safetensors(reference.join(format!("{name}.safetensors"))).expect("case tensors");
         case.tensors = tensors.into_iter().collect();
         case.dir = reference;
         case
     }
 
     pub fn tensor(&self, name: &str) -> &Tensor {
-        self.tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("case {} has no tensor {name}", self.case))
+        self.tensors.get(name).unwrap_or_else(|| panic!("case {} has no tensor {name}", self.case))
     }
 
     /// The case's messages in the input pipeline's form, images read from the fixture files.
@@ -103,10 +86,7 @@ impl Case {
                         _ => ContentPart::Text(p["text"].as_str().unwrap_or_default().to_string()),
                     })
                     .collect();
-                ChatMessage {
-                    role: m["role"].as_str().unwrap_or_default().to_string(),
-                    content,
-                }
+                ChatMessage { role: m["role"].as_str().unwrap_or_default().to_string(), content }
             })
             .collect()
     }
@@ -115,8 +95,5 @@ impl Case {
 /// Largest absolute difference of two tensors, in f64.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size(), "shapes differ");
-    (a.to_kind(tch::Kind::Double) - b.to_kind(tch::Kind::Double))
-        .abs()
-        .max()
-        .double_value(&[])
+    (a.to_kind(tch::Kind::Double) - b.to_kind(tch::Kind::Double)).abs().max().double_value(&[])
 }

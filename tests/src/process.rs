@@ -18,47 +18,54 @@ pub struct ServiceProcess {
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("executable path");
     let dir = exe.parent().expect("executable directory");
-    let candidates = [
-        dir.join(name),
-        dir.parent().map(|p| p.join(name)).unwrap_or_default(),
-    ];
-    candidates
-        .into_iter()
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "{name} is not built next to {}: run `cargo build --release --workspace --bins`",
-                dir.display()
-            )
-        })
+    let candidates = [dir.join(name), dir.parent().map(|p| p.join(name)).unwrap_or_default()];
+    candidates.into_iter().find(|p| p.is_file()).unwrap_or_else(|| {
+        panic!(
+            "{name} is not built next to {}: run `cargo build --release --workspace --bins`",
+            dir.display()
+        )
+    })
 }
 
 impl ServiceProcess {
     /// Starts `verifier-svc --model DIR --listen 127.0.0.1:0 ARGS…` and waits for its
     /// "listening on ADDR" line.
     pub fn verifier(model: &Path, args: &[&str]) -> Self {
+        Self::verifier_with_env(model, args, &[])
+    }
+
+    /// [`ServiceProcess::verifier`] with extra environment variables for the process.
+    pub fn verifier_with_env(model: &Path, args: &[&str], envs: &[(&str, &str)]) -> Self {
         let mut command = Command::new(binary("verifier-svc"));
-        command
-            .arg("--model")
-            .arg(model)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args);
+        command.arg("--model").arg(model).args(["--listen", "127.0.0.1:0"]).args(args);
+        // Tests run several servers at once: metrics only where a test asks for them.
+        if !args.contains(&"--metrics-listen") {
+            command.args(["--metrics-listen", "off"]);
+        }
+        command.envs(envs.iter().copied());
         Self::spawn(command)
     }
 
     /// Starts `drafter-svc serve --listen 127.0.0.1:0 ARGS…`.
     pub fn drafter(args: &[&str]) -> Self {
+        Self::drafter_with_env(args, &[])
+    }
+
+    /// [`ServiceProcess::drafter`] with extra environment variables for the process.
+    pub fn drafter_with_env(args: &[&str], envs: &[(&str, &str)]) -> Self {
         let mut command = Command::new(binary("drafter-svc"));
-        command
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args);
+        command.args(["serve", "--listen", "127.0.0.1:0"]).args(args);
+        if !args.contains(&"--metrics-listen") {
+            command.args(["--metrics-listen", "off"]);
+        }
+        command.envs(envs.iter().copied());
         Self::spawn(command)
     }
 
     /// Starts a drafter on a fixed address (to restart one where a verifier expects it).
     pub fn drafter_at(addr: &str, args: &[&str]) -> Self {
         let mut command = Command::new(binary("drafter-svc"));
-        command.args(["serve", "--listen", addr]).args(args);
+        command.args(["serve", "--listen", addr, "--metrics-listen", "off"]).args(args);
         Self::spawn(command)
     }
 
@@ -74,10 +81,7 @@ impl ServiceProcess {
     }
 
     fn spawn(mut command: Command) -> Self {
-        command
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .env("RUST_LOG", "warn");
+        command.stdout(Stdio::piped()).stderr(Stdio::inherit()).env("RUST_LOG", "warn");
         let mut child = command.spawn().expect("starting the service");
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = mpsc::channel();
@@ -89,10 +93,7 @@ impl ServiceProcess {
             }
         });
         match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(addr) => Self {
-                child,
-                url: format!("http://{addr}"),
-            },
+            Ok(addr) => Self { child, url: format!("http://{addr}") },
             Err(_) => {
                 let _ = child.kill();
                 panic!("service did not report its address within 120 s");
@@ -103,6 +104,24 @@ impl ServiceProcess {
     /// Process id, for tests that signal the service.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`, …).
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill").arg(format!("-{name}")).arg(self.child.id().to_string()).status();
+        assert!(status.is_ok_and(|s| s.success()), "kill -{name} failed");
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let until = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < until {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 
     /// Whether the process is still running.

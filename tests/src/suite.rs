@@ -41,30 +41,21 @@ pub struct SuitePrompt {
 /// `count` prompts for the model in `dir` (a fixture directory with `reference/images/`): every
 /// other prompt carries an image, and every third one stops at EOS.
 pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> {
-    let prompts =
-        PromptBuilder::from_model_dir(dir, PromptOptions::default()).expect("prompt builder");
+    let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).expect("prompt builder");
     let model = TargetModel::load(dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     (0..count)
         .map(|i| {
             let mut content = Vec::new();
             if i % 2 == 1 {
-                let path = dir
-                    .join("reference/images")
-                    .join(IMAGES[(i / 2) % IMAGES.len()]);
+                let path = dir.join("reference/images").join(IMAGES[(i / 2) % IMAGES.len()]);
                 content.push(ContentPart::Image {
                     data: std::fs::read(path).expect("image"),
                     mime_type: String::new(),
                 });
             }
-            content.push(ContentPart::Text(format!(
-                "{} (#{i})",
-                TEXTS[i % TEXTS.len()]
-            )));
-            let messages = vec![ChatMessage {
-                role: "user".into(),
-                content,
-            }];
+            content.push(ContentPart::Text(format!("{} (#{i})", TEXTS[i % TEXTS.len()])));
+            let messages = vec![ChatMessage { role: "user".into(), content }];
             let ignore_eos = i % 3 != 0;
             let prompt = prompts.build(&messages).expect("prompt");
             let inputs = verifier_svc::engine::model_inputs(&prompt);
@@ -73,35 +64,22 @@ pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> 
                 eos_token_ids: if ignore_eos { &[] } else { &eos },
                 context_limit: 4096,
             };
-            let greedy = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue)
-                .expect("greedy")
-                .tokens;
-            SuitePrompt {
-                messages,
-                max_new_tokens,
-                ignore_eos,
-                greedy,
-                prompt_ids: inputs.input_ids,
-            }
+            let greedy =
+                greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).expect("greedy").tokens;
+            SuitePrompt { messages, max_new_tokens, ignore_eos, greedy, prompt_ids: inputs.input_ids }
         })
         .collect()
 }
 
 /// JSON for the test oracle drafter: each prompt's ids followed by its greedy output.
 pub fn oracle_json(suite: &[SuitePrompt]) -> String {
-    let sequences: Vec<Vec<i64>> = suite
-        .iter()
-        .map(|p| p.prompt_ids.iter().chain(&p.greedy).copied().collect())
-        .collect();
+    let sequences: Vec<Vec<i64>> =
+        suite.iter().map(|p| p.prompt_ids.iter().chain(&p.greedy).copied().collect()).collect();
     serde_json::to_string(&sequences).expect("oracle json")
 }
 
 /// The gRPC request of a suite prompt in the given mode.
-pub fn request(
-    prompt: &SuitePrompt,
-    mode: pb::DecodingMode,
-    tree_budget: u32,
-) -> pb::GenerateRequest {
+pub fn request(prompt: &SuitePrompt, mode: pb::DecodingMode, tree_budget: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         messages: to_proto(&prompt.messages),
         max_new_tokens: prompt.max_new_tokens,
@@ -126,12 +104,10 @@ pub fn to_proto(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
                 .map(|part| pb::ContentPart {
                     part: Some(match part {
                         ContentPart::Text(t) => pb::content_part::Part::Text(t.clone()),
-                        ContentPart::Image { data, mime_type } => {
-                            pb::content_part::Part::Image(pb::Image {
-                                data: data.clone(),
-                                mime_type: mime_type.clone(),
-                            })
-                        }
+                        ContentPart::Image { data, mime_type } => pb::content_part::Part::Image(pb::Image {
+                            data: data.clone(),
+                            mime_type: mime_type.clone(),
+                        }),
                     }),
                 })
                 .collect(),

@@ -12,8 +12,7 @@ use tch::{Device, Kind, Tensor};
 const TOLERANCE: f64 = 1e-4;
 
 fn load(dir: &std::path::Path) -> TargetModel {
-    TargetModel::load(dir, Kind::Float, Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    TargetModel::load(dir, Kind::Float, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 /// Model inputs exactly as the reference processor produced them.
@@ -21,11 +20,7 @@ fn reference_inputs(case: &Case) -> ModelInputs {
     let pixel_values = case.tensors.get("pixel_values").map(|t| t.shallow_clone());
     ModelInputs {
         input_ids: case.input_ids.clone(),
-        positions: [
-            case.position_ids[0].clone(),
-            case.position_ids[1].clone(),
-            case.position_ids[2].clone(),
-        ],
+        positions: [case.position_ids[0].clone(), case.position_ids[1].clone(), case.position_ids[2].clone()],
         rope_delta: case.rope_delta,
         pixel_values,
         image_grids: case.image_grid_thw.clone(),
@@ -33,16 +28,9 @@ fn reference_inputs(case: &Case) -> ModelInputs {
 }
 
 /// One prompt forward with every layer tapped: (logits (n, vocab), taps).
-fn prompt_forward(
-    model: &TargetModel,
-    inputs: &ModelInputs,
-    taps: &[usize],
-) -> (Tensor, Vec<Tensor>) {
+fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
     let _guard = tch::no_grad_guard();
-    let vision = inputs
-        .pixel_values
-        .as_ref()
-        .map(|p| model.encode_images(p, &inputs.image_grids));
+    let vision = inputs.pixel_values.as_ref().map(|p| model.encode_images(p, &inputs.image_grids));
     let ids = Tensor::from_slice(&inputs.input_ids);
     let positions = inputs.positions_tensor();
     let mut cache = model.new_cache(inputs.input_ids.len());
@@ -59,14 +47,8 @@ fn prompt_forward(
 }
 
 fn greedy(model: &TargetModel, inputs: &ModelInputs, n: usize) -> Vec<i64> {
-    let params = GreedyParams {
-        max_new_tokens: n,
-        eos_token_ids: &[],
-        context_limit: 1 << 20,
-    };
-    greedy_generate(model, inputs, &params, |_| StepControl::Continue)
-        .expect("greedy")
-        .tokens
+    let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
+    greedy_generate(model, inputs, &params, |_| StepControl::Continue).expect("greedy").tokens
 }
 
 #[test]
@@ -77,8 +59,7 @@ fn logits_and_taps_match_transformers() {
             let model = load(&root.join(dir));
             for name in CASES {
                 let case = Case::load(&root.join(family), name);
-                let (logits, taps) =
-                    prompt_forward(&model, &reference_inputs(&case), &case.tap_layers);
+                let (logits, taps) = prompt_forward(&model, &reference_inputs(&case), &case.tap_layers);
                 let logit_diff = max_abs_diff(&logits, case.tensor("logits"));
                 let tap_diff = case
                     .tap_layers
@@ -86,17 +67,9 @@ fn logits_and_taps_match_transformers() {
                     .zip(&taps)
                     .map(|(layer, tap)| max_abs_diff(tap, case.tensor(&format!("hidden_{layer}"))))
                     .fold(0.0, f64::max);
-                println!(
-                    "{dir}/{name}: logits max|Δ| {logit_diff:.2e}, taps max|Δ| {tap_diff:.2e}"
-                );
-                assert!(
-                    logit_diff <= TOLERANCE,
-                    "{dir}/{name}: logits differ by {logit_diff}"
-                );
-                assert!(
-                    tap_diff <= TOLERANCE,
-                    "{dir}/{name}: tapped states differ by {tap_diff}"
-                );
+                println!("{dir}/{name}: logits max|Δ| {logit_diff:.2e}, taps max|Δ| {tap_diff:.2e}");
+                assert!(logit_diff <= TOLERANCE, "{dir}/{name}: logits differ by {logit_diff}");
+                assert!(tap_diff <= TOLERANCE, "{dir}/{name}: tapped states differ by {tap_diff}");
             }
         }
     }
@@ -108,16 +81,12 @@ fn greedy_tokens_match_transformers_through_our_pipeline() {
     for (family, _) in FAMILIES {
         let dir = root.join(family);
         let model = load(&dir);
-        let prompts =
-            PromptBuilder::from_model_dir(&dir, PromptOptions::default()).expect("prompt builder");
+        let prompts = PromptBuilder::from_model_dir(&dir, PromptOptions::default()).expect("prompt builder");
         for name in CASES {
             let case = Case::load(&dir, name);
             let prompt = prompts.build(&case.chat_messages()).expect("prompt");
             let inputs = verifier_svc::engine::model_inputs(&prompt);
-            assert_eq!(
-                inputs.input_ids, case.input_ids,
-                "{family}/{name}: input ids"
-            );
+            assert_eq!(inputs.input_ids, case.input_ids, "{family}/{name}: input ids");
             let tokens = greedy(&model, &inputs, case.greedy_tokens.len());
             assert_eq!(tokens, case.greedy_tokens, "{family}/{name}: greedy tokens");
         }
@@ -135,11 +104,7 @@ fn parity_checks_have_teeth() {
         let mut model = load(&dir);
         let inputs = reference_inputs(&case);
         let n = case.greedy_tokens.len();
-        assert_eq!(
-            greedy(&model, &inputs, n),
-            case.greedy_tokens,
-            "{family}: baseline"
-        );
+        assert_eq!(greedy(&model, &inputs, n), case.greedy_tokens, "{family}: baseline");
 
         // 1-D positions instead of M-RoPE.
         let flat: Vec<i64> = (0..case.input_ids.len() as i64).collect();
@@ -148,11 +113,7 @@ fn parity_checks_have_teeth() {
             rope_delta: 0,
             ..reference_inputs(&case)
         };
-        assert_ne!(
-            greedy(&model, &one_d, n),
-            case.greedy_tokens,
-            "{family}: 1-D positions went unnoticed"
-        );
+        assert_ne!(greedy(&model, &one_d, n), case.greedy_tokens, "{family}: 1-D positions went unnoticed");
 
         // Wrong image normalization (pixels shifted by half a standard deviation).
         let shifted = ModelInputs {
@@ -191,13 +152,8 @@ fn bf16_and_f16_run_close_to_the_f32_reference() {
             let (logits, _) = prompt_forward(&model, &reference_inputs(&case), &[]);
             assert_eq!(logits.kind(), kind);
             let diff = max_abs_diff(&logits, reference);
-            println!(
-                "{family} {kind:?}: logits max|Δ| {diff:.3} (reference max |logit| {scale:.2})"
-            );
-            assert!(
-                diff.is_finite() && diff < 0.25 * scale,
-                "{family} {kind:?}: logits off by {diff}"
-            );
+            println!("{family} {kind:?}: logits max|Δ| {diff:.3} (reference max |logit| {scale:.2})");
+            assert!(diff.is_finite() && diff < 0.25 * scale, "{family} {kind:?}: logits off by {diff}");
             let tokens = greedy(&model, &reference_inputs(&case), 4);
             assert_eq!(tokens.len(), 4);
         }

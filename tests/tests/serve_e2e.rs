@@ -25,12 +25,10 @@ fn to_proto(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
                 .map(|part| pb::ContentPart {
                     part: Some(match part {
                         ContentPart::Text(t) => pb::content_part::Part::Text(t.clone()),
-                        ContentPart::Image { data, mime_type } => {
-                            pb::content_part::Part::Image(pb::Image {
-                                data: data.clone(),
-                                mime_type: mime_type.clone(),
-                            })
-                        }
+                        ContentPart::Image { data, mime_type } => pb::content_part::Part::Image(pb::Image {
+                            data: data.clone(),
+                            mime_type: mime_type.clone(),
+                        }),
                     }),
                 })
                 .collect(),
@@ -39,29 +37,18 @@ fn to_proto(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
 }
 
 fn request(messages: Vec<pb::ChatMessage>, max_new_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        messages,
-        max_new_tokens,
-        stop: vec![],
-        decoding: None,
-    }
+    pb::GenerateRequest { messages, max_new_tokens, stop: vec![], decoding: None }
 }
 
 fn user(parts: Vec<pb::content_part::Part>) -> Vec<pb::ChatMessage> {
     vec![pb::ChatMessage {
         role: "user".into(),
-        content: parts
-            .into_iter()
-            .map(|p| pb::ContentPart { part: Some(p) })
-            .collect(),
+        content: parts.into_iter().map(|p| pb::ContentPart { part: Some(p) }).collect(),
     }]
 }
 
 fn image(data: Vec<u8>, mime: &str) -> pb::content_part::Part {
-    pb::content_part::Part::Image(pb::Image {
-        data,
-        mime_type: mime.into(),
-    })
+    pb::content_part::Part::Image(pb::Image { data, mime_type: mime.into() })
 }
 
 fn text(t: &str) -> pb::content_part::Part {
@@ -69,9 +56,7 @@ fn text(t: &str) -> pb::content_part::Part {
 }
 
 async fn connect(url: &str) -> GenerationClient<Channel> {
-    GenerationClient::connect(url.to_string())
-        .await
-        .expect("connect")
+    GenerationClient::connect(url.to_string()).await.expect("connect")
 }
 
 /// A PNG whose header claims `width`×`height` (valid CRCs, no pixel data worth decoding).
@@ -99,11 +84,7 @@ fn crc32(bytes: &[u8]) -> u32 {
     for &b in bytes {
         crc ^= b as u32;
         for _ in 0..8 {
-            crc = if crc & 1 == 1 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
         }
     }
     !crc
@@ -121,38 +102,21 @@ async fn served_tokens_equal_in_process_greedy() {
         let model = TargetModel::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
         let prompt = prompts.build(&messages).unwrap();
         let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
-        let params = GreedyParams {
-            max_new_tokens: 48,
-            eos_token_ids: &eos,
-            context_limit: 4096,
-        };
+        let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &eos, context_limit: 4096 };
         let inputs = verifier_svc::engine::model_inputs(&prompt);
-        let expected = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue)
-            .unwrap()
-            .tokens;
+        let expected = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).unwrap().tokens;
 
         let server = ServiceProcess::verifier(&dir, &[]);
         let mut client = connect(&server.url).await;
-        let unary = client
-            .generate(request(to_proto(&messages), 48))
-            .await
-            .unwrap()
-            .into_inner();
+        let unary = client.generate(request(to_proto(&messages), 48)).await.unwrap().into_inner();
         let served: Vec<i64> = unary.token_ids.iter().map(|&t| t as i64).collect();
-        assert_eq!(
-            served, expected,
-            "{family}: served tokens differ from in-process greedy"
-        );
+        assert_eq!(served, expected, "{family}: served tokens differ from in-process greedy");
         let usage = unary.usage.unwrap();
         assert_eq!(usage.prompt_tokens as usize, prompt.input_ids.len());
         assert_eq!(usage.image_tokens as usize, prompt.image_token_count);
         assert_eq!(usage.generated_tokens as usize, expected.len());
 
-        let mut stream = client
-            .generate_stream(request(to_proto(&messages), 48))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut stream = client.generate_stream(request(to_proto(&messages), 48)).await.unwrap().into_inner();
         let (mut streamed_text, mut streamed_ids, mut finish) = (String::new(), Vec::new(), 0);
         while let Some(chunk) = stream.message().await.unwrap() {
             streamed_text.push_str(&chunk.text);
@@ -171,18 +135,12 @@ async fn served_tokens_equal_in_process_greedy() {
 async fn health_reflection_and_model_info() {
     let Some(root) = fixtures() else { return };
     let server = ServiceProcess::verifier(&root.join("tiny-qwen3-vl"), &[]);
-    let channel = Channel::from_shared(server.url.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = Channel::from_shared(server.url.clone()).unwrap().connect().await.unwrap();
 
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
     for service in ["", "glance.v1.Generation"] {
         let status = health
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: service.into(),
-            })
+            .check(tonic_health::pb::HealthCheckRequest { service: service.into() })
             .await
             .unwrap()
             .into_inner()
@@ -202,39 +160,18 @@ async fn health_reflection_and_model_info() {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
     };
-    let mut replies = reflection
-        .server_reflection_info(tokio_stream::iter([ask]))
-        .await
-        .unwrap()
-        .into_inner();
-    let reply = replies
-        .message()
-        .await
-        .unwrap()
-        .expect("a reflection reply");
+    let mut replies =
+        reflection.server_reflection_info(tokio_stream::iter([ask])).await.unwrap().into_inner();
+    let reply = replies.message().await.unwrap().expect("a reflection reply");
     let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
         panic!("no service list")
     };
     let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(
-        names.contains(&"glance.v1.Generation".to_string()),
-        "{names:?}"
-    );
-    assert!(
-        names.contains(&"grpc.health.v1.Health".to_string()),
-        "{names:?}"
-    );
-    assert!(
-        !names.iter().any(|n| n.contains("Drafter")),
-        "the internal service is advertised: {names:?}"
-    );
+    assert!(names.contains(&"glance.v1.Generation".to_string()), "{names:?}");
+    assert!(names.contains(&"grpc.health.v1.Health".to_string()), "{names:?}");
+    assert!(!names.iter().any(|n| n.contains("Drafter")), "the internal service is advertised: {names:?}");
 
-    let info = connect(&server.url)
-        .await
-        .model_info(pb::ModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = connect(&server.url).await.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.model_type, "qwen3_vl");
     assert_eq!(info.vocab_size, 1024);
     assert!(info.context_window > 0 && info.max_new_tokens_limit > 0);
@@ -244,14 +181,7 @@ async fn health_reflection_and_model_info() {
 async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
     let Some(root) = fixtures() else { return };
     let dir = root.join("tiny-qwen3-vl");
-    let args = [
-        "--max-images",
-        "2",
-        "--context-window",
-        "256",
-        "--max-new-tokens-limit",
-        "64",
-    ];
+    let args = ["--max-images", "2", "--context-window", "256", "--max-new-tokens-limit", "64"];
     let server = ServiceProcess::verifier(&dir, &args);
     let mut client = connect(&server.url).await;
     let good_png = std::fs::read(dir.join("reference/images/square.png")).unwrap();
@@ -259,34 +189,19 @@ async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
     let cases: Vec<(&str, pb::GenerateRequest, Code, &str)> = vec![
         (
             "corrupt image",
-            request(
-                user(vec![
-                    image(b"\x89PNG\r\n\x1a\nnot really".to_vec(), "image/png"),
-                    text("hi"),
-                ]),
-                8,
-            ),
+            request(user(vec![image(b"\x89PNG\r\n\x1a\nnot really".to_vec(), "image/png"), text("hi")]), 8),
             Code::InvalidArgument,
             "messages[0].content[0]",
         ),
         (
             "unsupported mime",
-            request(
-                user(vec![image(good_png.clone(), "image/gif"), text("hi")]),
-                8,
-            ),
+            request(user(vec![image(good_png.clone(), "image/gif"), text("hi")]), 8),
             Code::InvalidArgument,
             "mime",
         ),
         (
             "too many pixels",
-            request(
-                user(vec![
-                    image(png_claiming(100_000, 100_000), "image/png"),
-                    text("hi"),
-                ]),
-                8,
-            ),
+            request(user(vec![image(png_claiming(100_000, 100_000), "image/png"), text("hi")]), 8),
             Code::InvalidArgument,
             "pixels",
         ),
@@ -310,33 +225,17 @@ async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
             Code::InvalidArgument,
             "context window",
         ),
-        (
-            "zero max_new_tokens",
-            request(user(vec![text("hi")]), 0),
-            Code::InvalidArgument,
-            "max_new_tokens",
-        ),
+        ("zero max_new_tokens", request(user(vec![text("hi")]), 0), Code::InvalidArgument, "max_new_tokens"),
         (
             "max_new_tokens over limit",
             request(user(vec![text("hi")]), 65),
             Code::InvalidArgument,
             "max_new_tokens",
         ),
-        (
-            "no messages",
-            request(vec![], 8),
-            Code::InvalidArgument,
-            "messages",
-        ),
+        ("no messages", request(vec![], 8), Code::InvalidArgument, "messages"),
         (
             "bad role",
-            request(
-                vec![pb::ChatMessage {
-                    role: "wizard".into(),
-                    content: vec![],
-                }],
-                8,
-            ),
+            request(vec![pb::ChatMessage { role: "wizard".into(), content: vec![] }], 8),
             Code::InvalidArgument,
             "role",
         ),
@@ -344,70 +243,19 @@ async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
     for (what, req, code, needle) in cases {
         let status = client.generate(req).await.expect_err(what);
         assert_eq!(status.code(), code, "{what}: {}", status.message());
-        assert!(
-            status.message().contains(needle),
-            "{what}: message {:?} lacks {needle:?}",
-            status.message()
-        );
+        assert!(status.message().contains(needle), "{what}: message {:?} lacks {needle:?}", status.message());
     }
-    let ok = client
-        .generate(request(
-            user(vec![image(good_png, ""), text("Describe it.")]),
-            8,
-        ))
-        .await;
-    assert!(
-        ok.is_ok(),
-        "server stopped serving after bad inputs: {ok:?}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_queue_answers_resource_exhausted_at_once() {
-    let Some(root) = fixtures() else { return };
-    let server = ServiceProcess::verifier(&root.join("tiny-qwen3-vl"), &["--queue-size", "1"]);
-    let mut handles = Vec::new();
-    for _ in 0..6 {
-        let url = server.url.clone();
-        handles.push(tokio::spawn(async move {
-            let mut client = connect(&url).await;
-            client
-                .generate(request(user(vec![text("Tell a long story.")]), 2000))
-                .await
-                .map(|_| ())
-        }));
-    }
-    let mut exhausted = 0;
-    for handle in handles {
-        if let Err(status) = handle.await.unwrap() {
-            assert_eq!(
-                status.code(),
-                Code::ResourceExhausted,
-                "{}",
-                status.message()
-            );
-            exhausted += 1;
-        }
-    }
-    assert!(
-        exhausted >= 1,
-        "six concurrent requests against a queue of one were all admitted"
-    );
+    let ok = client.generate(request(user(vec![image(good_png, ""), text("Describe it.")]), 8)).await;
+    assert!(ok.is_ok(), "server stopped serving after bad inputs: {ok:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disconnected_client_stops_its_generation() {
     let Some(root) = fixtures() else { return };
-    let server = ServiceProcess::verifier(
-        &root.join("tiny-qwen3-vl"),
-        &["--max-new-tokens-limit", "4000"],
-    );
+    let server = ServiceProcess::verifier(&root.join("tiny-qwen3-vl"), &["--max-new-tokens-limit", "4000"]);
     let mut client = connect(&server.url).await;
     let mut long = request(user(vec![text("Tell a long story.")]), 4000);
-    long.decoding = Some(pb::DecodingOptions {
-        ignore_eos: true,
-        ..Default::default()
-    });
+    long.decoding = Some(pb::DecodingOptions { ignore_eos: true, ..Default::default() });
     let mut stream = client.generate_stream(long).await.unwrap().into_inner();
     // Measure this request's own pace, then walk away.
     let started = Instant::now();
@@ -423,10 +271,7 @@ async fn a_disconnected_client_stops_its_generation() {
     let remaining = per_token * 3950;
     let mut client = connect(&server.url).await;
     let asked = Instant::now();
-    client
-        .generate(request(user(vec![text("hi")]), 1))
-        .await
-        .expect("next request");
+    client.generate(request(user(vec![text("hi")]), 1)).await.expect("next request");
     let waited = asked.elapsed();
     assert!(
         waited < remaining / 4 + Duration::from_millis(500),
@@ -441,10 +286,7 @@ fn refused_start(args: &[&str]) -> String {
         .args(["--listen", "127.0.0.1:0"])
         .output()
         .expect("running verifier-svc");
-    assert!(
-        !output.status.success(),
-        "verifier-svc started with {args:?}"
-    );
+    assert!(!output.status.success(), "verifier-svc started with {args:?}");
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
@@ -452,10 +294,7 @@ fn refused_start(args: &[&str]) -> String {
 fn a_missing_or_inconsistent_model_directory_stops_the_start_up() {
     let Some(root) = fixtures() else { return };
     let missing = refused_start(&["--model", "/nonexistent/model"]);
-    assert!(
-        missing.contains("model directory /nonexistent/model"),
-        "{missing}"
-    );
+    assert!(missing.contains("model directory /nonexistent/model"), "{missing}");
     assert!(!missing.contains("panicked"), "{missing}");
 
     // A config whose layer width disagrees with the weights.
@@ -475,10 +314,7 @@ fn a_missing_or_inconsistent_model_directory_stops_the_start_up() {
     )
     .unwrap();
     let inconsistent = refused_start(&["--model", broken.to_str().unwrap()]);
-    assert!(
-        inconsistent.contains("mlp") && inconsistent.contains("shape"),
-        "{inconsistent}"
-    );
+    assert!(inconsistent.contains("mlp") && inconsistent.contains("shape"), "{inconsistent}");
     assert!(!inconsistent.contains("panicked"), "{inconsistent}");
 
     std::fs::remove_file(broken.join("model.safetensors")).unwrap();
@@ -491,12 +327,7 @@ fn a_drafter_built_for_another_target_is_refused_at_start_up() {
     let Some(root) = fixtures() else { return };
     // Same vocabulary and width, another target: only the fingerprint tells them apart.
     let other = root.join("tiny-qwen2.5-vl");
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "prompt-lookup",
-        "--target",
-        other.to_str().unwrap(),
-    ]);
+    let drafter = ServiceProcess::drafter(&["--kind", "prompt-lookup", "--target", other.to_str().unwrap()]);
     let head = std::env::temp_dir().join(format!("glance-mismatch-head-{}", std::process::id()));
     let spec = drafter_svc::init::HeadSpec {
         tap_layers: Some(vec![0, 1, 2]),
@@ -512,12 +343,7 @@ fn a_drafter_built_for_another_target_is_refused_at_start_up() {
         other.to_str().unwrap(),
     ]);
     let model = root.join("tiny-qwen3-vl");
-    let refused = refused_start(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--drafter",
-        &head_drafter.url,
-    ]);
+    let refused = refused_start(&["--model", model.to_str().unwrap(), "--drafter", &head_drafter.url]);
     assert!(refused.contains("does not fit this target"), "{refused}");
     // Prompt lookup works with any target of the same vocabulary, so it is accepted.
     let accepted = ServiceProcess::verifier(&model, &["--drafter", &drafter.url]);

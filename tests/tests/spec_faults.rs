@@ -29,15 +29,9 @@ async fn stream_with(
     after: usize,
     midway: impl FnOnce(),
 ) -> (Vec<i64>, pb::SpeculativeStats) {
-    let mut client = GenerationClient::connect(url.to_string())
-        .await
-        .expect("connect");
+    let mut client = GenerationClient::connect(url.to_string()).await.expect("connect");
     let request = suite::request(prompt, pb::DecodingMode::SpeculativeTree, 0);
-    let mut stream = client
-        .generate_stream(request)
-        .await
-        .expect("stream")
-        .into_inner();
+    let mut stream = client.generate_stream(request).await.expect("stream").into_inner();
     let (mut tokens, mut stats, mut midway) = (Vec::new(), None, Some(midway));
     while let Some(chunk) = stream.message().await.expect("the stream must end cleanly") {
         tokens.extend(chunk.token_ids.iter().map(|&t| t as i64));
@@ -59,37 +53,20 @@ async fn killed_then_restarted_drafter_loses_no_request() {
     let dir = root.join("tiny-qwen3-vl");
     let prompts = suite::build(&dir, 2, 2500);
     let head = random_head(&dir);
-    let drafter_args = [
-        "--kind",
-        "block-head",
-        "--head",
-        head.to_str().unwrap(),
-        "--target",
-        dir.to_str().unwrap(),
-    ];
+    let drafter_args =
+        ["--kind", "block-head", "--head", head.to_str().unwrap(), "--target", dir.to_str().unwrap()];
     let mut drafter = ServiceProcess::drafter(&drafter_args);
     let drafter_addr = drafter.addr().to_string();
-    let verifier = ServiceProcess::verifier(
-        &dir,
-        &["--drafter", &drafter.url, "--max-new-tokens-limit", "3000"],
-    );
+    let verifier =
+        ServiceProcess::verifier(&dir, &["--drafter", &drafter.url, "--max-new-tokens-limit", "3000"]);
 
     // Kill the drafter 100 tokens into a long generation.
-    let long = prompts
-        .iter()
-        .find(|p| p.ignore_eos)
-        .expect("a prompt that ignores EOS");
+    let long = prompts.iter().find(|p| p.ignore_eos).expect("a prompt that ignores EOS");
     let (tokens, stats) = stream_with(&verifier.url, long, 100, || drafter.kill()).await;
     assert_eq!(tokens, long.greedy, "tokens changed when the drafter died");
     assert!(stats.rounds > 0, "nothing was drafted before the kill");
-    assert!(
-        stats.fallback_rounds > 0,
-        "no fallback rounds after the kill: {stats:?}"
-    );
-    println!(
-        "killed: {} drafted rounds, {} fallback rounds",
-        stats.rounds, stats.fallback_rounds
-    );
+    assert!(stats.fallback_rounds > 0, "no fallback rounds after the kill: {stats:?}");
+    println!("killed: {} drafted rounds, {} fallback rounds", stats.rounds, stats.fallback_rounds);
 
     // Restart it where the verifier expects it while a generation runs.
     let mut restarted = None;
@@ -104,19 +81,11 @@ async fn killed_then_restarted_drafter_loses_no_request() {
     );
 
     // Once it is back, requests speculate again with no fallback.
-    let mut client = GenerationClient::connect(verifier.url.clone())
-        .await
-        .unwrap();
+    let mut client = GenerationClient::connect(verifier.url.clone()).await.unwrap();
     let mut resumed = None;
     for _ in 0..50 {
-        let response = client
-            .generate(suite::request(
-                &prompts[0],
-                pb::DecodingMode::SpeculativeTree,
-                0,
-            ))
-            .await
-            .unwrap();
+        let response =
+            client.generate(suite::request(&prompts[0], pb::DecodingMode::SpeculativeTree, 0)).await.unwrap();
         let response = response.into_inner();
         let got: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
         assert_eq!(got, prompts[0].greedy);
@@ -127,10 +96,7 @@ async fn killed_then_restarted_drafter_loses_no_request() {
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-    assert!(
-        resumed.is_some(),
-        "speculation did not resume after the drafter came back"
-    );
+    assert!(resumed.is_some(), "speculation did not resume after the drafter came back");
     drop(restarted);
 }
 
@@ -153,17 +119,12 @@ async fn a_stalling_drafter_is_not_waited_for() {
         "--stall-ms",
         "1500",
     ]);
-    let verifier = ServiceProcess::verifier(
-        &dir,
-        &["--drafter", &drafter.url, "--drafter-deadline-ms", "150"],
-    );
+    let verifier =
+        ServiceProcess::verifier(&dir, &["--drafter", &drafter.url, "--drafter-deadline-ms", "150"]);
     let mut fallback = 0;
     for prompt in &prompts {
         let (tokens, stats) = stream_with(&verifier.url, prompt, usize::MAX, || {}).await;
-        assert_eq!(
-            tokens, prompt.greedy,
-            "tokens changed under a stalling drafter"
-        );
+        assert_eq!(tokens, prompt.greedy, "tokens changed under a stalling drafter");
         fallback += stats.fallback_rounds;
     }
     assert!(fallback > 0, "the stalls never hit the deadline");

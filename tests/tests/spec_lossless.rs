@@ -37,21 +37,12 @@ async fn run_suite(
     mode: pb::DecodingMode,
     what: &str,
 ) -> pb::SpeculativeStats {
-    let mut client = GenerationClient::connect(url.to_string())
-        .await
-        .expect("connect");
+    let mut client = GenerationClient::connect(url.to_string()).await.expect("connect");
     let mut total = pb::SpeculativeStats::default();
     for (i, prompt) in suite.iter().enumerate() {
-        let response = client
-            .generate(suite::request(prompt, mode, 0))
-            .await
-            .expect(what)
-            .into_inner();
+        let response = client.generate(suite::request(prompt, mode, 0)).await.expect(what).into_inner();
         let tokens: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
-        assert_eq!(
-            tokens, prompt.greedy,
-            "{what}: prompt {i} differs from greedy decoding"
-        );
+        assert_eq!(tokens, prompt.greedy, "{what}: prompt {i} differs from greedy decoding");
         let stats = response.speculative.expect("speculative stats");
         total.rounds += stats.rounds;
         total.fallback_rounds += stats.fallback_rounds;
@@ -110,10 +101,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             &format!("{family} random head, tree"),
         )
         .await;
-        assert!(
-            tree.rounds > 0 && tree.fallback_rounds == 0,
-            "the head drafted no rounds"
-        );
+        assert!(tree.rounds > 0 && tree.fallback_rounds == 0, "the head drafted no rounds");
         run_suite(
             &verifier.url,
             &prompts,
@@ -172,9 +160,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
 /// A stop string that falls inside a 16-token accepted run ends the output exactly where greedy
 /// decoding with the same stop string ends it.
 async fn stop_strings_inside_accepted_runs(url: &str, prompts: &[SuitePrompt], family: &str) {
-    let mut client = GenerationClient::connect(url.to_string())
-        .await
-        .expect("connect");
+    let mut client = GenerationClient::connect(url.to_string()).await.expect("connect");
     let mut checked = 0;
     for prompt in prompts.iter().filter(|p| p.ignore_eos) {
         let mut ar = suite::request(prompt, pb::DecodingMode::Autoregressive, 0);
@@ -190,17 +176,11 @@ async fn stop_strings_inside_accepted_runs(url: &str, prompts: &[SuitePrompt], f
         let greedy = client.generate(ar).await.unwrap().into_inner();
         let speculative = client.generate(spec).await.unwrap().into_inner();
         assert_eq!(speculative.text, greedy.text, "{family}: stop {stop:?}");
-        assert_eq!(
-            speculative.token_ids, greedy.token_ids,
-            "{family}: stop {stop:?}"
-        );
+        assert_eq!(speculative.token_ids, greedy.token_ids, "{family}: stop {stop:?}");
         assert_eq!(speculative.finish_reason, pb::FinishReason::Stop as i32);
         assert!(!greedy.text.contains(&stop));
         checked += 1;
     }
-    assert!(
-        checked >= 5,
-        "{family}: only {checked} prompts were long enough for a stop-string check"
-    );
+    assert!(checked >= 5, "{family}: only {checked} prompts were long enough for a stop-string check");
     println!("{family}: stop strings inside accepted runs honoured on {checked} prompts");
 }

@@ -6,11 +6,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 #[derive(Parser, Debug, Clone)]
-#[command(
-    name = "verifier-svc",
-    version,
-    about = "glance verifier: serves a Qwen-VL target over gRPC"
-)]
+#[command(name = "verifier-svc", version, about = "glance verifier: serves a Qwen-VL target over gRPC")]
 pub struct Args {
     /// Hugging Face model directory (config.json, safetensors, tokenizer, preprocessor config).
     #[arg(long, env = "GLANCE_MODEL")]
@@ -39,9 +35,16 @@ pub struct Args {
     /// Cap on prompt + generated tokens (default: the model's max_position_embeddings).
     #[arg(long, env = "GLANCE_CONTEXT_WINDOW")]
     pub context_window: Option<usize>,
-    /// Requests that may wait for the engine; more are refused with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "GLANCE_QUEUE_SIZE", default_value_t = 32)]
-    pub queue_size: usize,
+    /// Generations that run at once (each on its own engine thread sharing the model).
+    #[arg(long, env = "GLANCE_MAX_CONCURRENT", default_value_t = 1)]
+    pub max_concurrent: usize,
+    /// Requests that may wait for an engine thread; past running + waiting, requests are refused
+    /// at once with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "GLANCE_MAX_QUEUE", default_value_t = 32)]
+    pub max_queue: usize,
+    /// Prometheus metrics at http://ADDR/metrics, or `off`.
+    #[arg(long, env = "GLANCE_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: String,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long, env = "GLANCE_THREADS")]
     pub threads: Option<i32>,

@@ -149,12 +149,24 @@ impl RemoteDrafter {
         self.client().map(|(_, info)| info)
     }
 
+    /// Reconnects when the backoff allows (the health poller calls this, so readiness recovers
+    /// without traffic); returns whether a drafter is connected.
+    pub fn ensure_connected(&self) -> bool {
+        let Some((mut client, _)) = self.client() else { return false };
+        let request = pb::HandshakeRequest { target_fingerprint: self.target.fingerprint.clone() };
+        let answered = self.runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(1), client.handshake(request)).await
+        });
+        let alive = matches!(answered, Ok(Ok(_)));
+        if !alive {
+            self.mark_failed();
+        }
+        alive
+    }
+
     /// Whether a compatible drafter is connected right now.
     pub fn is_connected(&self) -> bool {
-        self.state
-            .lock()
-            .map(|s| s.client.is_some())
-            .unwrap_or(false)
+        self.state.lock().map(|s| s.client.is_some()).unwrap_or(false)
     }
 }
 
@@ -162,31 +174,20 @@ async fn connect(
     url: &str,
     target: &TargetDescription,
 ) -> Result<(DrafterClient<Channel>, DrafterInfo), DrafterError> {
-    let unreachable = |reason: String| DrafterError::Unreachable {
-        url: url.to_string(),
-        reason,
-    };
+    let unreachable = |reason: String| DrafterError::Unreachable { url: url.to_string(), reason };
     let endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| unreachable(e.to_string()))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true);
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| unreachable(e.to_string()))?;
+    let channel = endpoint.connect().await.map_err(|e| unreachable(e.to_string()))?;
     let mut client = DrafterClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let request = pb::HandshakeRequest {
-        target_fingerprint: target.fingerprint.clone(),
-    };
+    let request = pb::HandshakeRequest { target_fingerprint: target.fingerprint.clone() };
     let handshake = match client.handshake(request).await {
         Ok(r) => r.into_inner(),
         Err(status) if status.code() == tonic::Code::FailedPrecondition => {
-            return Err(DrafterError::Mismatch {
-                url: url.to_string(),
-                reason: status.message().to_string(),
-            })
+            return Err(DrafterError::Mismatch { url: url.to_string(), reason: status.message().to_string() })
         }
         Err(status) => return Err(unreachable(status.to_string())),
     };
@@ -200,12 +201,7 @@ pub fn check_handshake(
     handshake: pb::HandshakeResponse,
     target: &TargetDescription,
 ) -> Result<DrafterInfo, DrafterError> {
-    let mismatch = |reason: String| {
-        Err(DrafterError::Mismatch {
-            url: url.to_string(),
-            reason,
-        })
-    };
+    let mismatch = |reason: String| Err(DrafterError::Mismatch { url: url.to_string(), reason });
     if handshake.vocab_size != target.vocab_size {
         return mismatch(format!(
             "vocabulary {} vs the target's {}",
@@ -219,19 +215,10 @@ pub fn check_handshake(
             handshake.hidden_size, target.hidden_size
         ));
     }
-    if let Some(&bad) = handshake
-        .tap_layers
-        .iter()
-        .find(|&&l| l >= target.num_layers)
-    {
-        return mismatch(format!(
-            "tap layer {bad} but the target has {} layers",
-            target.num_layers
-        ));
+    if let Some(&bad) = handshake.tap_layers.iter().find(|&&l| l >= target.num_layers) {
+        return mismatch(format!("tap layer {bad} but the target has {} layers", target.num_layers));
     }
-    if !handshake.target_fingerprint.is_empty()
-        && handshake.target_fingerprint != target.fingerprint
-    {
+    if !handshake.target_fingerprint.is_empty() && handshake.target_fingerprint != target.fingerprint {
         return mismatch(format!(
             "built for target {} but this target is {}",
             handshake.target_fingerprint, target.fingerprint
@@ -244,11 +231,7 @@ pub fn check_handshake(
     // sending wider than computed would add nothing. The drafter converts to its own dtype.
     let wire_kind = target.kind;
     let tap_layers = handshake.tap_layers.iter().map(|&l| l as usize).collect();
-    Ok(DrafterInfo {
-        handshake,
-        tap_layers,
-        wire_kind,
-    })
+    Ok(DrafterInfo { handshake, tap_layers, wire_kind })
 }
 
 /// Provider for one generation: sessions over the shared connection.
@@ -272,15 +255,19 @@ impl DraftProvider for RemoteProvider {
         if info.tap_layers != self.info.tap_layers
             || info.handshake.block_size != self.info.handshake.block_size
         {
-            tracing::warn!("drafter changed its taps or block size mid-generation; not using it for this request");
+            tracing::warn!(
+                "drafter changed its taps or block size mid-generation; not using it for this request"
+            );
             return None;
         }
         let (outbound, receiver) = mpsc::channel::<pb::DraftRequest>(16);
-        let stream = tokio_stream::wrappers::ReceiverStream::new(receiver);
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
+        // The drafter's spans join this request's trace.
+        glance_common::telemetry::inject_trace_context(&tracing::Span::current(), request.metadata_mut());
         let opened = self.drafter.runtime.block_on(async {
             tokio::time::timeout(
                 self.drafter.round_deadline.max(Duration::from_secs(1)),
-                client.draft(stream),
+                client.draft(request),
             )
             .await
         });
@@ -328,11 +315,7 @@ impl RemoteSession {
                 ..Default::default()
             }];
         }
-        let row_bytes = round
-            .states
-            .map(|s| s.size()[1] as usize * 4)
-            .unwrap_or(4)
-            .max(1);
+        let row_bytes = round.states.map(|s| s.size()[1] as usize * 4).unwrap_or(4).max(1);
         let per_chunk = (MAX_CHUNK_BYTES / row_bytes).max(1);
         (0..rows)
             .step_by(per_chunk)
@@ -340,15 +323,9 @@ impl RemoteSession {
                 let count = per_chunk.min(rows - from);
                 pb::ContextRows {
                     first_position: (round.first_position + from) as u64,
-                    tokens: round.tokens[from..from + count]
-                        .iter()
-                        .map(|&t| t as u32)
-                        .collect(),
+                    tokens: round.tokens[from..from + count].iter().map(|&t| t as u32).collect(),
                     states: round.states.map(|s| {
-                        glance_common::wire::encode(
-                            &s.narrow(0, from as i64, count as i64),
-                            self.wire_kind,
-                        )
+                        glance_common::wire::encode(&s.narrow(0, from as i64, count as i64), self.wire_kind)
                     }),
                 }
             })
@@ -365,10 +342,7 @@ impl DraftSession for RemoteSession {
         let mut messages: Vec<pb::DraftRequest> = self
             .context_messages(&round)
             .into_iter()
-            .map(|c| pb::DraftRequest {
-                context: Some(c),
-                round: None,
-            })
+            .map(|c| pb::DraftRequest { context: Some(c), round: None })
             .collect();
         if let Some(last) = messages.last_mut() {
             last.round = Some(pb::RoundRequest {
@@ -378,26 +352,16 @@ impl DraftSession for RemoteSession {
                 branch_k: round.branch_k as u32,
             });
         }
-        let sent: u64 = messages
-            .iter()
-            .map(|m| prost::Message::encoded_len(m) as u64)
-            .sum();
+        let sent: u64 = messages.iter().map(|m| prost::Message::encoded_len(m) as u64).sum();
         let deadline = self.drafter.round_deadline;
         let outbound = self.outbound.clone();
         let inbound = &mut self.inbound;
         let reply = self.drafter.runtime.block_on(async move {
             tokio::time::timeout(deadline, async move {
                 for message in messages {
-                    outbound
-                        .send(message)
-                        .await
-                        .map_err(|_| "stream closed".to_string())?;
+                    outbound.send(message).await.map_err(|_| "stream closed".to_string())?;
                 }
-                inbound
-                    .message()
-                    .await
-                    .map_err(|s| s.to_string())?
-                    .ok_or_else(|| "stream ended".to_string())
+                inbound.message().await.map_err(|s| s.to_string())?.ok_or_else(|| "stream ended".to_string())
             })
             .await
         });

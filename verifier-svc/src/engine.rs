@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use crate::drafter_client::{RemoteDrafter, RemoteProvider};
 use crate::error::VerifierError;
 use crate::local_drafter::LocalProvider;
+use crate::metrics as names;
 use crate::speculative::{speculative_generate, DraftProvider, SpecParams, SpecStats};
 use crate::stop::TextAssembler;
 
@@ -46,6 +47,12 @@ pub struct Job {
     pub ignore_eos: bool,
     pub decoding: Decoding,
     pub events: mpsc::Sender<Event>,
+    /// Its place in the engine, released when the job is dropped.
+    pub admission: Admission,
+    /// The request's span: engine work is recorded under it.
+    pub span: tracing::Span,
+    /// When the request arrived (time to first token counts from here).
+    pub arrived: std::time::Instant,
 }
 
 /// What the engine reports about one request, in order: chunks, then exactly one `Done` or `Failed`.
@@ -74,7 +81,10 @@ pub struct Summary {
 #[derive(Clone, Debug)]
 pub struct EngineLimits {
     pub context_window: usize,
-    pub queue_size: usize,
+    /// Generations running at once (engine threads).
+    pub max_concurrent: usize,
+    /// Admitted requests waiting for an engine thread.
+    pub max_queue: usize,
 }
 
 /// Where drafts come from.
@@ -86,60 +96,84 @@ pub struct Drafting {
     pub prompt_lookup: Arc<dyn DraftEngine>,
 }
 
+/// A place in the engine: held from admission until the request's generation ends, so that
+/// running + waiting requests never exceed the limit.
+pub struct Admission(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
 /// The side of the engine that request handlers hold.
 #[derive(Clone)]
 pub struct EngineHandle {
-    jobs: std_mpsc::SyncSender<Job>,
+    jobs: std_mpsc::Sender<Job>,
+    slots: Arc<tokio::sync::Semaphore>,
+    capacity: usize,
     pub prompts: Arc<PromptBuilder>,
 }
 
 impl EngineHandle {
-    /// Queues a job, or refuses it at once when the queue is full.
+    /// Takes a place for a new request, or refuses at once when running + waiting requests are
+    /// at the limit. Done before any preprocessing, so an overloaded server answers fast.
+    pub fn admit(&self) -> Result<Admission, VerifierError> {
+        let permit = Arc::clone(&self.slots).try_acquire_owned().map_err(|_| {
+            metrics::counter!(names::REQUESTS, "outcome" => "rejected").increment(1);
+            VerifierError::Busy(format!("{} requests are running or queued, retry later", self.capacity))
+        })?;
+        Ok(Admission(permit))
+    }
+
+    /// Queues an admitted job.
     pub fn submit(&self, job: Job) -> Result<(), VerifierError> {
-        self.jobs.try_send(job).map_err(|e| match e {
-            std_mpsc::TrySendError::Full(_) => {
-                VerifierError::Busy("generation queue is full, retry later".into())
-            }
-            std_mpsc::TrySendError::Disconnected(_) => {
-                VerifierError::Unavailable("engine stopped".into())
-            }
+        metrics::gauge!(names::QUEUE_SIZE).increment(1.0);
+        self.jobs.send(job).map_err(|_| {
+            metrics::gauge!(names::QUEUE_SIZE).decrement(1.0);
+            VerifierError::Unavailable("engine stopped".into())
         })
     }
 }
 
-/// Starts the engine thread. The model moves into it and never leaves.
+/// The model shared by the engine threads.
+struct SharedModel(TargetModel);
+
+// SAFETY: after loading, the model's tensors are only read; every generation has its own KV
+// cache, so concurrent forward passes on the engine threads share nothing mutable.
+unsafe impl Sync for SharedModel {}
+
+/// Starts `max_concurrent` engine threads sharing the model.
 pub fn start(
     model: TargetModel,
     prompts: Arc<PromptBuilder>,
     limits: EngineLimits,
     drafting: Drafting,
 ) -> EngineHandle {
-    let (jobs, queue) = std_mpsc::sync_channel::<Job>(limits.queue_size);
-    let eos = prompts
-        .eos_token_ids()
-        .iter()
-        .map(|&i| i as i64)
-        .collect::<Vec<_>>();
-    let worker = Worker {
-        model,
+    let (jobs, queue) = std_mpsc::channel::<Job>();
+    let queue = Arc::new(std::sync::Mutex::new(queue));
+    let eos = prompts.eos_token_ids().iter().map(|&i| i as i64).collect::<Vec<_>>();
+    let capacity = limits.max_concurrent.max(1) + limits.max_queue;
+    let worker = Arc::new(Worker {
+        model: SharedModel(model),
         prompts: Arc::clone(&prompts),
         eos,
-        limits,
+        limits: limits.clone(),
         drafting,
-    };
-    thread::Builder::new()
-        .name("glance-engine".into())
-        .spawn(move || {
-            for job in queue {
+    });
+    for i in 0..limits.max_concurrent.max(1) {
+        let (worker, queue) = (Arc::clone(&worker), Arc::clone(&queue));
+        thread::Builder::new()
+            .name(format!("glance-engine-{i}"))
+            .spawn(move || loop {
+                let job = match queue.lock().map(|q| q.recv()) {
+                    Ok(Ok(job)) => job,
+                    _ => return,
+                };
+                metrics::gauge!(names::QUEUE_SIZE).decrement(1.0);
                 worker.run_job(job);
-            }
-        })
-        .expect("spawning the engine thread");
-    EngineHandle { jobs, prompts }
+            })
+            .expect("spawning an engine thread");
+    }
+    EngineHandle { jobs, slots: Arc::new(tokio::sync::Semaphore::new(capacity)), capacity, prompts }
 }
 
 struct Worker {
-    model: TargetModel,
+    model: SharedModel,
     prompts: Arc<PromptBuilder>,
     eos: Vec<i64>,
     limits: EngineLimits,
@@ -149,19 +183,25 @@ struct Worker {
 impl Worker {
     fn run_job(&self, job: Job) {
         if job.events.is_closed() {
+            metrics::counter!(names::REQUESTS, "outcome" => "cancelled").increment(1);
             return; // the client left while queued
         }
+        let span = job.span.clone();
+        let _entered = span.enter();
         let events = job.events.clone();
+        metrics::gauge!(names::RUNNING).increment(1.0);
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.generate(job)));
+        metrics::gauge!(names::RUNNING).decrement(1.0);
         let last = match outcome {
-            Ok(Ok(summary)) => Event::Done(summary),
+            Ok(Ok(summary)) => {
+                record_summary(&summary);
+                Event::Done(summary)
+            }
             Ok(Err(e)) => Event::Failed(e),
             Err(panic) => {
                 let what = panic_message(&panic);
                 tracing::error!(%what, "generation panicked");
-                Event::Failed(VerifierError::Unavailable(format!(
-                    "generation failed: {what}"
-                )))
+                Event::Failed(VerifierError::Unavailable(format!("generation failed: {what}")))
             }
         };
         let _ = events.blocking_send(last);
@@ -177,13 +217,17 @@ impl Worker {
             eos_token_ids: if job.ignore_eos { &[] } else { &self.eos },
             context_limit: self.limits.context_window,
         };
+        let mut last_token_at: Option<std::time::Instant> = None;
         let on_token = |token: i64| {
+            let now = std::time::Instant::now();
+            match last_token_at {
+                None => metrics::histogram!(names::TTFT).record((now - job.arrived).as_secs_f64()),
+                Some(previous) => metrics::histogram!(names::ITL).record((now - previous).as_secs_f64()),
+            }
+            last_token_at = Some(now);
             let piece = text.push(token as u32);
             stop_string |= piece.stop;
-            let chunk = Event::Chunk {
-                text: piece.text,
-                token_ids: vec![token as u32],
-            };
+            let chunk = Event::Chunk { text: piece.text, token_ids: vec![token as u32] };
             if job.events.blocking_send(chunk).is_err() || piece.stop {
                 StepControl::Stop
             } else {
@@ -197,17 +241,12 @@ impl Worker {
         if generation.finish == FinishKind::Eos {
             // The end-of-sequence token is reported as a token but adds no text.
             let eos_token = *generation.tokens.last().expect("EOS is a generated token") as u32;
-            let _ = job.events.blocking_send(Event::Chunk {
-                text: String::new(),
-                token_ids: vec![eos_token],
-            });
+            let _ =
+                job.events.blocking_send(Event::Chunk { text: String::new(), token_ids: vec![eos_token] });
         }
         let rest = text.finish();
         if !rest.is_empty() {
-            let _ = job.events.blocking_send(Event::Chunk {
-                text: rest,
-                token_ids: Vec::new(),
-            });
+            let _ = job.events.blocking_send(Event::Chunk { text: rest, token_ids: Vec::new() });
         }
         Ok(Summary {
             finish: generation.finish,
@@ -232,54 +271,33 @@ impl Worker {
     ) -> Result<(Generation, Option<(Decoding, SpecParams, SpecStats)>), VerifierError> {
         let (mut provider, spec): (Box<dyn DraftProvider>, SpecParams) = match decoding {
             Decoding::Autoregressive => {
-                return Ok((
-                    greedy_generate(&self.model, inputs, params, on_token)?,
-                    None,
-                ))
+                return Ok((greedy_generate(&self.model.0, inputs, params, on_token)?, None))
             }
-            Decoding::Tree { budget, branch_k } => {
-                (self.remote()?, SpecParams { budget, branch_k })
-            }
+            Decoding::Tree { budget, branch_k } => (self.remote()?, SpecParams { budget, branch_k }),
             Decoding::Chain => {
                 let provider = self.remote()?;
                 let depth = provider.max_depth();
-                (
-                    provider,
-                    SpecParams {
-                        budget: depth,
-                        branch_k: 1,
-                    },
-                )
+                (provider, SpecParams { budget: depth, branch_k: 1 })
             }
             Decoding::PromptLookup => {
                 let provider = LocalProvider::new(Arc::clone(&self.drafting.prompt_lookup));
                 let depth = provider.max_depth();
-                (
-                    Box::new(provider),
-                    SpecParams {
-                        budget: depth,
-                        branch_k: 1,
-                    },
-                )
+                (Box::new(provider), SpecParams { budget: depth, branch_k: 1 })
             }
         };
-        let (generation, stats) = speculative_generate(
-            &self.model,
-            inputs,
-            params,
-            spec,
-            provider.as_mut(),
-            on_token,
-        )?;
+        let (generation, stats) =
+            speculative_generate(&self.model.0, inputs, params, spec, provider.as_mut(), on_token)?;
         Ok((generation, Some((decoding, spec, stats))))
     }
 
     /// The remote drafter; while none has ever answered, a provider that never drafts, so the
     /// request still completes with greedy steps.
     fn remote(&self) -> Result<Box<dyn DraftProvider>, VerifierError> {
-        let drafter = self.drafting.remote.clone().ok_or_else(|| {
-            VerifierError::NoDrafter("no drafter is configured on this server".into())
-        })?;
+        let drafter = self
+            .drafting
+            .remote
+            .clone()
+            .ok_or_else(|| VerifierError::NoDrafter("no drafter is configured on this server".into()))?;
         Ok(match RemoteProvider::new(drafter) {
             Some(provider) => Box::new(provider),
             None => Box::new(crate::speculative::NoDrafter),
@@ -287,31 +305,40 @@ impl Worker {
     }
 }
 
+/// Counters and gauges of a finished generation (see `names` for what each one means).
+fn record_summary(summary: &Summary) {
+    metrics::counter!(names::GENERATED_TOKENS).increment(summary.generated_tokens as u64);
+    let Some((_, _, stats)) = &summary.speculative else { return };
+    metrics::counter!(names::SPEC_DRAFTS).increment(stats.rounds as u64);
+    metrics::counter!(names::SPEC_DRAFT_TOKENS).increment(stats.draft_tokens as u64);
+    metrics::counter!(names::SPEC_ACCEPTED_TOKENS).increment(stats.accepted_committed as u64);
+    for (position, &count) in stats.accepted_per_depth.iter().enumerate() {
+        if count > 0 {
+            metrics::counter!(names::SPEC_ACCEPTED_PER_POS, "position" => position.to_string())
+                .increment(count);
+        }
+    }
+    metrics::counter!(names::SPEC_FALLBACK_ROUNDS).increment(stats.fallback_rounds as u64);
+    metrics::counter!(names::SPEC_REJECTED_TREES).increment(stats.rejected_trees as u64);
+    metrics::counter!(names::DRAFTER_BYTES).increment(stats.bytes_sent);
+    if stats.rounds > 0 {
+        metrics::gauge!(names::SPEC_TAU).set(stats.tau());
+    }
+}
+
 /// Tensors for the model from a preprocessed prompt.
 pub fn model_inputs(prompt: &Prompt) -> ModelInputs {
-    let pixels: Vec<f32> = prompt
-        .images
-        .iter()
-        .flat_map(|im| im.pixel_values.iter().copied())
-        .collect();
+    let pixels: Vec<f32> = prompt.images.iter().flat_map(|im| im.pixel_values.iter().copied()).collect();
     let pixel_values = (!prompt.images.is_empty()).then(|| {
         let patch_dim = prompt.images[0].patch_dim as i64;
         tch::Tensor::from_slice(&pixels).view([-1, patch_dim])
     });
     ModelInputs {
         input_ids: prompt.input_ids.iter().map(|&i| i as i64).collect(),
-        positions: [
-            prompt.positions.t.clone(),
-            prompt.positions.h.clone(),
-            prompt.positions.w.clone(),
-        ],
+        positions: [prompt.positions.t.clone(), prompt.positions.h.clone(), prompt.positions.w.clone()],
         rope_delta: prompt.rope_delta,
         pixel_values,
-        image_grids: prompt
-            .images
-            .iter()
-            .map(|im| im.grid_thw.map(|g| g as i64))
-            .collect(),
+        image_grids: prompt.images.iter().map(|im| im.grid_thw.map(|g| g as i64)).collect(),
     }
 }
 

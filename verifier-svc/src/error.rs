@@ -18,9 +18,12 @@ pub enum VerifierError {
     /// Too many requests are queued or running.
     #[error("server busy: {0}")]
     Busy(String),
-    /// The client went away or its deadline passed.
+    /// The client went away.
     #[error("request cancelled")]
     Cancelled,
+    /// The client's deadline (grpc-timeout) passed before the generation finished.
+    #[error("deadline exceeded before the generation finished")]
+    DeadlineExceeded,
     /// The engine stopped (shutdown or a crashed worker).
     #[error("generation engine unavailable: {0}")]
     Unavailable(String),
@@ -31,10 +34,7 @@ pub enum VerifierError {
 
 impl VerifierError {
     pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self::InvalidArgument {
-            field: field.into(),
-            reason: reason.into(),
-        }
+        Self::InvalidArgument { field: field.into(), reason: reason.into() }
     }
 }
 
@@ -59,6 +59,7 @@ impl From<VerifierError> for Status {
             VerifierError::NoDrafter(_) => Status::failed_precondition(message),
             VerifierError::Busy(_) => Status::resource_exhausted(message),
             VerifierError::Cancelled => Status::cancelled(message),
+            VerifierError::DeadlineExceeded => Status::deadline_exceeded(message),
             VerifierError::Unavailable(_) => Status::unavailable(message),
             VerifierError::Model(_) => Status::internal(message),
         }

@@ -6,6 +6,7 @@ pub mod drafter_client;
 pub mod engine;
 pub mod error;
 pub mod local_drafter;
+pub mod metrics;
 pub mod server;
 pub mod service;
 pub mod speculative;

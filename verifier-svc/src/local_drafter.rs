@@ -27,10 +27,7 @@ impl LocalProvider {
 
 impl DraftProvider for LocalProvider {
     fn open(&mut self) -> Option<Box<dyn DraftSession>> {
-        Some(Box::new(LocalSession {
-            session: self.engine.new_session(),
-            context_len: 0,
-        }))
+        Some(Box::new(LocalSession { session: self.engine.new_session(), context_len: 0 }))
     }
 
     fn tap_layers(&self) -> &[usize] {
@@ -57,11 +54,7 @@ impl DraftSession for LocalSession {
         let tokens: Vec<u32> = round.tokens.iter().map(|&t| t as u32).collect();
         let failed = |e: drafter_svc::session::DraftError| DraftFailure::Unavailable(e.to_string());
         self.session
-            .append_context(
-                round.first_position,
-                &tokens,
-                round.states.map(|s| s.shallow_clone()),
-            )
+            .append_context(round.first_position, &tokens, round.states.map(|s| s.shallow_clone()))
             .map_err(failed)?;
         self.context_len = round.root_position;
         let input = RoundInput {

@@ -4,13 +4,18 @@ use verifier_svc::server;
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let args = Args::parse();
-    if let Err(e) = run(args).await {
+    let telemetry = match glance_common::telemetry::init("verifier-svc") {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("verifier-svc: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = run(args).await;
+    // Spans of the last requests go out before the process ends.
+    telemetry.shutdown();
+    if let Err(e) = result {
         eprintln!("verifier-svc: {e}");
         std::process::exit(1);
     }
@@ -18,20 +23,27 @@ async fn main() {
 
 async fn run(args: Args) -> Result<(), server::StartupError> {
     let started = std::time::Instant::now();
+    if args.metrics_listen != "off" {
+        let addr = args.metrics_listen.parse().map_err(|e| {
+            server::StartupError::Metrics(format!("--metrics-listen {}: {e}", args.metrics_listen))
+        })?;
+        glance_common::telemetry::serve_metrics(addr, &verifier_svc::metrics::buckets())
+            .map_err(|e| server::StartupError::Metrics(e.to_string()))?;
+        verifier_svc::metrics::describe();
+    }
     // Loading is blocking work (reading and converting weights).
     let load_args = args.clone();
     let loaded = tokio::task::spawn_blocking(move || server::load(&load_args))
         .await
         .map_err(|e| server::StartupError::Serve(e.to_string()))??;
     let listener = server::bind(&args).await?;
-    let addr = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     tracing::info!(%addr, model = %args.model.display(), load_s = started.elapsed().as_secs_f64(), "serving");
     // Scripts wait for this line on stdout.
     println!("verifier-svc listening on {addr}");
-    server::serve(loaded, listener, shutdown_signal()).await
+    server::serve(loaded, listener, shutdown_signal()).await?;
+    tracing::info!("drained; exiting");
+    Ok(())
 }
 
 async fn shutdown_signal() {

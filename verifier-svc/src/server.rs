@@ -13,6 +13,7 @@ use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use drafter_svc::engines::PromptLookupEngine;
@@ -36,6 +37,8 @@ pub enum StartupError {
     Model { dir: String, reason: String },
     #[error("cannot listen on {addr}: {reason}")]
     Listen { addr: String, reason: String },
+    #[error("metrics: {0}")]
+    Metrics(String),
     #[error("--drafter: {0}")]
     Drafter(String),
     #[error("server failed: {0}")]
@@ -45,11 +48,11 @@ pub enum StartupError {
 /// Everything loaded at start-up, ready to serve.
 pub struct Loaded {
     pub service: GenerationService,
+    pub drafter: Option<Arc<RemoteDrafter>>,
 }
 
 pub fn resolve_device(args: &Args) -> Result<(Device, Kind), StartupError> {
-    let device =
-        parse_device(&args.device).ok_or_else(|| StartupError::Device(args.device.clone()))?;
+    let device = parse_device(&args.device).ok_or_else(|| StartupError::Device(args.device.clone()))?;
     if matches!(device, Device::Cuda(_)) && !tch::Cuda::is_available() {
         return Err(StartupError::NoCuda(args.device.clone()));
     }
@@ -67,10 +70,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         tch::set_num_threads(threads);
     }
     let (device, kind) = resolve_device(args)?;
-    let model_err = |reason: String| StartupError::Model {
-        dir: args.model.display().to_string(),
-        reason,
-    };
+    let model_err = |reason: String| StartupError::Model { dir: args.model.display().to_string(), reason };
     if !args.model.is_dir() {
         return Err(model_err("not a directory".into()));
     }
@@ -80,10 +80,9 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         max_images: args.max_images,
         ..PromptOptions::default()
     };
-    let prompts = PromptBuilder::from_model_dir(&args.model, options)
-        .map_err(|e| model_err(e.to_string()))?;
-    let model =
-        TargetModel::load(&args.model, kind, device).map_err(|e| model_err(e.to_string()))?;
+    let prompts =
+        PromptBuilder::from_model_dir(&args.model, options).map_err(|e| model_err(e.to_string()))?;
+    let model = TargetModel::load(&args.model, kind, device).map_err(|e| model_err(e.to_string()))?;
     let context_window = args
         .context_window
         .unwrap_or(model.text_config().max_position_embeddings)
@@ -92,10 +91,8 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
     let defaults = decoding_defaults(args, drafter.is_some());
     let info = model_info(args, &model, &prompts, context_window, &defaults);
     let prompts = Arc::new(prompts);
-    let limits = EngineLimits {
-        context_window,
-        queue_size: args.queue_size,
-    };
+    let limits =
+        EngineLimits { context_window, max_concurrent: args.max_concurrent, max_queue: args.max_queue };
     let vocab = model.text_config().vocab_size as u32;
     let drafting = Drafting {
         remote: drafter.clone(),
@@ -108,17 +105,13 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         max_stop_strings: 16,
         max_stop_len: 256,
     };
-    Ok(Loaded {
-        service: GenerationService::new(engine, request_limits, defaults, info, drafter),
-    })
+    let service = GenerationService::new(engine, request_limits, defaults, info, drafter.clone());
+    Ok(Loaded { service, drafter })
 }
 
 /// With `--drafter`, connects and checks the handshake before serving: a drafter built for another
 /// target stops the start-up; one that is not up yet is retried in the background.
-fn connect_drafter(
-    args: &Args,
-    model: &TargetModel,
-) -> Result<Option<Arc<RemoteDrafter>>, StartupError> {
+fn connect_drafter(args: &Args, model: &TargetModel) -> Result<Option<Arc<RemoteDrafter>>, StartupError> {
     let Some(url) = args.drafter.clone() else {
         return Ok(None);
     };
@@ -175,15 +168,9 @@ fn model_info(
 ) -> pb::ModelInfoResponse {
     let image_config = prompts.image_config();
     let (min_pixels, max_pixels) = (image_config.min_pixels, image_config.max_pixels);
-    let mut modes = vec![
-        pb::DecodingMode::Autoregressive,
-        pb::DecodingMode::PromptLookup,
-    ];
+    let mut modes = vec![pb::DecodingMode::Autoregressive, pb::DecodingMode::PromptLookup];
     if defaults.drafter_configured {
-        modes.extend([
-            pb::DecodingMode::SpeculativeTree,
-            pb::DecodingMode::SpeculativeChain,
-        ]);
+        modes.extend([pb::DecodingMode::SpeculativeTree, pb::DecodingMode::SpeculativeChain]);
     }
     pb::ModelInfoResponse {
         model_type: model.family.model_type().to_string(),
@@ -206,22 +193,26 @@ fn model_info(
 
 fn model_id(dir: &Path) -> String {
     let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-    canonical
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    canonical.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// Serves on `listener` until `shutdown` resolves.
+/// Health service names: `""` is liveness (serving while the process works, also while it
+/// drains), `glance.v1.Generation` is readiness (not serving while draining, or while a configured
+/// drafter is not connected: speculation unavailable).
+const READINESS: &str = "glance.v1.Generation";
+
+/// Serves on `listener` until `signal` resolves, then drains: readiness turns NOT_SERVING, new
+/// requests are refused with UNAVAILABLE, running ones finish, and only then does this return.
 pub async fn serve(
     loaded: Loaded,
     listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    signal: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<pb::generation_server::GenerationServer<GenerationService>>()
-        .await;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    let draining = loaded.service.draining();
+    let drafter = loaded.drafter.clone();
+    tokio::spawn(watch_readiness(health.clone(), drafter, Arc::clone(&draining)));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -232,7 +223,14 @@ pub async fn serve(
         .map_err(|e| StartupError::Serve(e.to_string()))?;
     let generation = pb::generation_server::GenerationServer::new(loaded.service)
         .max_decoding_message_size(64 * 1024 * 1024);
+    let shutdown = async move {
+        signal.await;
+        tracing::info!("draining: refusing new requests, finishing running ones");
+        draining.store(true, Ordering::SeqCst);
+        health.set_service_status(READINESS, tonic_health::ServingStatus::NotServing).await;
+    };
     tonic::transport::Server::builder()
+        .tcp_nodelay(true)
         .add_service(health_service)
         .add_service(reflection)
         .add_service(generation)
@@ -241,12 +239,39 @@ pub async fn serve(
         .map_err(|e| StartupError::Serve(e.to_string()))
 }
 
+/// Keeps readiness and the drafter gauge current, reconnecting to the drafter in the background.
+async fn watch_readiness(
+    health: tonic_health::server::HealthReporter,
+    drafter: Option<Arc<RemoteDrafter>>,
+    draining: Arc<std::sync::atomic::AtomicBool>,
+) {
+    loop {
+        let connected = match &drafter {
+            Some(d) => {
+                let d = Arc::clone(d);
+                tokio::task::spawn_blocking(move || d.ensure_connected()).await.unwrap_or(false)
+            }
+            None => true,
+        };
+        metrics::gauge!(crate::metrics::DRAFTER_CONNECTED).set(if drafter.is_some() && connected {
+            1.0
+        } else {
+            0.0
+        });
+        let ready = connected && !draining.load(Ordering::SeqCst);
+        let status = if ready {
+            tonic_health::ServingStatus::Serving
+        } else {
+            tonic_health::ServingStatus::NotServing
+        };
+        health.set_service_status(READINESS, status).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// Binds the configured address.
 pub async fn bind(args: &Args) -> Result<TcpListener, StartupError> {
     TcpListener::bind(args.listen)
         .await
-        .map_err(|e| StartupError::Listen {
-            addr: args.listen.to_string(),
-            reason: e.to_string(),
-        })
+        .map_err(|e| StartupError::Listen { addr: args.listen.to_string(), reason: e.to_string() })
 }

@@ -2,15 +2,18 @@
 //! runtime, admits them to the engine and relays its events as unary or streamed responses.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use futures::{Stream, StreamExt};
+use futures::Stream;
 use glance_common::decode::FinishKind;
 use glance_common::input::{ChatMessage, ContentPart};
 use glance_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::engine::{Decoding, EngineHandle, Event, Job, Summary};
 use crate::error::VerifierError;
@@ -29,7 +32,9 @@ pub struct GenerationService {
     limits: RequestLimits,
     defaults: DecodingDefaults,
     info: pb::ModelInfoResponse,
-    drafter: Option<std::sync::Arc<crate::drafter_client::RemoteDrafter>>,
+    drafter: Option<Arc<crate::drafter_client::RemoteDrafter>>,
+    /// Set on SIGTERM: new requests are refused while running ones finish.
+    draining: Arc<AtomicBool>,
 }
 
 impl GenerationService {
@@ -38,25 +43,30 @@ impl GenerationService {
         limits: RequestLimits,
         defaults: DecodingDefaults,
         info: pb::ModelInfoResponse,
-        drafter: Option<std::sync::Arc<crate::drafter_client::RemoteDrafter>>,
+        drafter: Option<Arc<crate::drafter_client::RemoteDrafter>>,
     ) -> Self {
-        Self {
-            engine,
-            limits,
-            defaults,
-            info,
-            drafter,
-        }
+        Self { engine, limits, defaults, info, drafter, draining: Arc::new(AtomicBool::new(false)) }
     }
 
-    /// Validates, preprocesses and queues a request; returns the engine's event receiver.
+    /// The flag that drain on shutdown sets.
+    pub fn draining(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.draining)
+    }
+
+    /// Validates, admits, preprocesses and queues a request; returns the engine's event receiver.
     async fn admit(
         &self,
         request: pb::GenerateRequest,
+        span: &tracing::Span,
+        arrived: Instant,
     ) -> Result<mpsc::Receiver<Event>, VerifierError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(VerifierError::Unavailable("the server is shutting down".into()));
+        }
         let ignore_eos = request.decoding.as_ref().is_some_and(|d| d.ignore_eos);
         let decoding = decoding(request.decoding.as_ref(), &self.defaults)?;
         let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
+        let admission = self.engine.admit()?;
         let prompts = Arc::clone(&self.engine.prompts);
         let prompt = tokio::task::spawn_blocking(move || prompts.build(&messages))
             .await
@@ -71,30 +81,35 @@ impl GenerationService {
                 ),
             ));
         }
+        span.record("prompt_tokens", prompt.input_ids.len());
         let (events, receiver) = mpsc::channel(64);
-        self.engine.submit(Job {
+        let job = Job {
             prompt,
             max_new_tokens,
             stop,
             ignore_eos,
             decoding,
             events,
-        })?;
+            admission,
+            span: span.clone(),
+            arrived,
+        };
+        self.engine.submit(job)?;
         Ok(receiver)
     }
 }
 
-type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamChunk, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl pb::generation_server::Generation for GenerationService {
-    async fn generate(
+impl GenerationService {
+    async fn generate_unary(
         &self,
-        request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<pb::GenerateResponse>, Status> {
-        let mut events = self.admit(request.into_inner()).await?;
+        request: pb::GenerateRequest,
+        span: &tracing::Span,
+        arrived: Instant,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<pb::GenerateResponse, Status> {
+        let mut events = self.admit(request, span, arrived).await?;
         let mut response = pb::GenerateResponse::default();
-        while let Some(event) = events.recv().await {
+        while let Some(event) = next_event(&mut events, deadline).await {
             match event {
                 Event::Chunk { text, token_ids } => {
                     response.text.push_str(&text);
@@ -105,12 +120,103 @@ impl pb::generation_server::Generation for GenerationService {
                     response.usage = Some(usage(&summary));
                     response.timings = Some(timings(&summary));
                     response.speculative = speculative_stats(&summary);
-                    return Ok(Response::new(response));
+                    return Ok(response);
                 }
                 Event::Failed(e) => return Err(e.into()),
             }
         }
         Err(VerifierError::Unavailable("engine ended the request without a result".into()).into())
+    }
+}
+
+fn last_chunk(summary: &Summary) -> pb::GenerateStreamChunk {
+    pb::GenerateStreamChunk {
+        finish_reason: finish_reason(summary) as i32,
+        usage: Some(usage(summary)),
+        timings: Some(timings(summary)),
+        speculative: speculative_stats(summary),
+        ..Default::default()
+    }
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamChunk, Status>> + Send>>;
+
+/// The request's span, continuing the client's trace when it sent a `traceparent`.
+fn request_span(name: &'static str, metadata: &tonic::metadata::MetadataMap) -> tracing::Span {
+    let span = tracing::info_span!("request", rpc = name, prompt_tokens = tracing::field::Empty);
+    glance_common::telemetry::continue_trace(&span, metadata);
+    span
+}
+
+/// When this request must be answered by: the client's `grpc-timeout`, less a small margin so our
+/// DEADLINE_EXCEEDED reaches the client before tonic's own timer answers CANCELLED.
+fn deadline(metadata: &tonic::metadata::MetadataMap, arrived: Instant) -> Option<tokio::time::Instant> {
+    let timeout = parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)?;
+    let margin = (timeout / 10).min(Duration::from_millis(10));
+    Some(tokio::time::Instant::from_std(arrived + timeout - margin))
+}
+
+/// `grpc-timeout` is digits followed by a unit: H, M, S, m, u or n.
+fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// The next engine event, or DEADLINE_EXCEEDED once the deadline has passed.
+async fn next_event(
+    events: &mut mpsc::Receiver<Event>,
+    deadline: Option<tokio::time::Instant>,
+) -> Option<Event> {
+    match deadline {
+        None => events.recv().await,
+        Some(at) => match tokio::time::timeout_at(at, events.recv()).await {
+            Ok(event) => event,
+            Err(_) => Some(Event::Failed(VerifierError::DeadlineExceeded)),
+        },
+    }
+}
+
+/// Counts the request's outcome by status code.
+fn record_outcome(result: Result<(), &Status>) {
+    let outcome = match result {
+        Ok(()) => "ok",
+        Err(status) => match status.code() {
+            tonic::Code::Cancelled => "cancelled",
+            tonic::Code::DeadlineExceeded => "deadline_exceeded",
+            tonic::Code::InvalidArgument => "invalid_argument",
+            tonic::Code::ResourceExhausted => return, // counted at admission
+            tonic::Code::Unavailable => "unavailable",
+            tonic::Code::FailedPrecondition => "failed_precondition",
+            _ => "error",
+        },
+    };
+    metrics::counter!(crate::metrics::REQUESTS, "outcome" => outcome).increment(1);
+}
+
+#[tonic::async_trait]
+impl pb::generation_server::Generation for GenerationService {
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateResponse>, Status> {
+        let arrived = Instant::now();
+        let span = request_span("Generate", request.metadata());
+        let deadline = deadline(request.metadata(), arrived);
+        let result = self
+            .generate_unary(request.into_inner(), &span, arrived, deadline)
+            .instrument(span.clone())
+            .await;
+        record_outcome(result.as_ref().map(|_| ()));
+        result.map(Response::new)
     }
 
     type GenerateStreamStream = ChunkStream;
@@ -119,24 +225,49 @@ impl pb::generation_server::Generation for GenerationService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStreamStream>, Status> {
-        let events = self.admit(request.into_inner()).await?;
-        // Dropping this stream (client gone) drops the receiver, which stops the engine's work.
-        let stream = ReceiverStream::new(events).map(|event| match event {
-            Event::Chunk { text, token_ids } => Ok(pb::GenerateStreamChunk {
-                text,
-                token_ids,
-                ..Default::default()
-            }),
-            Event::Done(summary) => Ok(pb::GenerateStreamChunk {
-                finish_reason: finish_reason(&summary) as i32,
-                usage: Some(usage(&summary)),
-                timings: Some(timings(&summary)),
-                speculative: speculative_stats(&summary),
-                ..Default::default()
-            }),
-            Event::Failed(e) => Err(Status::from(e)),
+        let arrived = Instant::now();
+        let span = request_span("GenerateStream", request.metadata());
+        let deadline = deadline(request.metadata(), arrived);
+        let mut events = match self.admit(request.into_inner(), &span, arrived).instrument(span.clone()).await
+        {
+            Ok(events) => events,
+            Err(e) => {
+                let status = Status::from(e);
+                record_outcome(Err(&status));
+                return Err(status);
+            }
+        };
+        // A task relays events so the deadline holds between chunks too. Dropping the response
+        // stream (client gone) ends the relay, which drops the engine's receiver and stops it.
+        let (chunks, stream) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut outcome = Err(Status::unavailable("engine ended the request without a result"));
+            while let Some(event) = next_event(&mut events, deadline).await {
+                let (chunk, done) = match event {
+                    Event::Chunk { text, token_ids } => {
+                        (Ok(pb::GenerateStreamChunk { text, token_ids, ..Default::default() }), false)
+                    }
+                    Event::Done(summary) => {
+                        outcome = Ok(());
+                        (Ok(last_chunk(&summary)), true)
+                    }
+                    Event::Failed(e) => {
+                        let status = Status::from(e);
+                        outcome = Err(status.clone());
+                        (Err(status), true)
+                    }
+                };
+                if chunks.send(chunk).await.is_err() {
+                    outcome = Err(Status::cancelled("client went away"));
+                    break;
+                }
+                if done {
+                    break;
+                }
+            }
+            record_outcome(outcome.as_ref().map(|_| ()));
         });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
     }
 
     async fn model_info(
@@ -155,18 +286,12 @@ fn validate(
     limits: &RequestLimits,
 ) -> Result<(Vec<ChatMessage>, usize, Vec<String>), VerifierError> {
     if request.max_new_tokens == 0 {
-        return Err(VerifierError::invalid(
-            "max_new_tokens",
-            "must be at least 1",
-        ));
+        return Err(VerifierError::invalid("max_new_tokens", "must be at least 1"));
     }
     if request.max_new_tokens > limits.max_new_tokens {
         return Err(VerifierError::invalid(
             "max_new_tokens",
-            format!(
-                "{} is over the server limit of {}",
-                request.max_new_tokens, limits.max_new_tokens
-            ),
+            format!("{} is over the server limit of {}", request.max_new_tokens, limits.max_new_tokens),
         ));
     }
     if request.stop.len() > limits.max_stop_strings {
@@ -175,21 +300,14 @@ fn validate(
             format!("at most {} stop strings", limits.max_stop_strings),
         ));
     }
-    if let Some(i) = request
-        .stop
-        .iter()
-        .position(|s| s.is_empty() || s.len() > limits.max_stop_len)
-    {
+    if let Some(i) = request.stop.iter().position(|s| s.is_empty() || s.len() > limits.max_stop_len) {
         return Err(VerifierError::invalid(
             format!("stop[{i}]"),
             format!("must be 1 to {} bytes", limits.max_stop_len),
         ));
     }
     if request.messages.is_empty() {
-        return Err(VerifierError::invalid(
-            "messages",
-            "at least one message is required",
-        ));
+        return Err(VerifierError::invalid("messages", "at least one message is required"));
     }
     let mut images = 0;
     let mut messages = Vec::with_capacity(request.messages.len());
@@ -207,18 +325,12 @@ fn validate(
                             format!("too many images: at most {} per request", limits.max_images),
                         ));
                     }
-                    content.push(ContentPart::Image {
-                        data: image.data,
-                        mime_type: image.mime_type,
-                    });
+                    content.push(ContentPart::Image { data: image.data, mime_type: image.mime_type });
                 }
                 None => return Err(VerifierError::invalid(field, "empty content part")),
             }
         }
-        messages.push(ChatMessage {
-            role: message.role,
-            content,
-        });
+        messages.push(ChatMessage { role: message.role, content });
     }
     Ok((messages, request.max_new_tokens as usize, request.stop))
 }
@@ -233,32 +345,19 @@ fn decoding(
         Ok(pb::DecodingMode::Unspecified) => defaults.mode,
         Ok(mode) => mode,
         Err(_) => {
-            return Err(VerifierError::invalid(
-                "decoding.mode",
-                format!("unknown mode {}", options.mode),
-            ))
+            return Err(VerifierError::invalid("decoding.mode", format!("unknown mode {}", options.mode)))
         }
     };
-    let needs_drafter = matches!(
-        mode,
-        pb::DecodingMode::SpeculativeTree | pb::DecodingMode::SpeculativeChain
-    );
+    let needs_drafter =
+        matches!(mode, pb::DecodingMode::SpeculativeTree | pb::DecodingMode::SpeculativeChain);
     if needs_drafter && !defaults.drafter_configured {
         return Err(VerifierError::NoDrafter(format!(
             "decoding.mode {} needs a drafter; this server runs without one (start it with --drafter)",
             mode.as_str_name()
         )));
     }
-    let budget = if options.tree_budget == 0 {
-        defaults.tree_budget
-    } else {
-        options.tree_budget as usize
-    };
-    let branch_k = if options.branch_k == 0 {
-        defaults.branch_k
-    } else {
-        options.branch_k as usize
-    };
+    let budget = if options.tree_budget == 0 { defaults.tree_budget } else { options.tree_budget as usize };
+    let branch_k = if options.branch_k == 0 { defaults.branch_k } else { options.branch_k as usize };
     if !(1..=defaults.max_tree_budget).contains(&budget) {
         return Err(VerifierError::invalid(
             "decoding.tree_budget",
@@ -266,10 +365,7 @@ fn decoding(
         ));
     }
     if !(1..=MAX_BRANCH_K).contains(&branch_k) {
-        return Err(VerifierError::invalid(
-            "decoding.branch_k",
-            format!("must be 1 to {MAX_BRANCH_K}"),
-        ));
+        return Err(VerifierError::invalid("decoding.branch_k", format!("must be 1 to {MAX_BRANCH_K}")));
     }
     Ok(match mode {
         pb::DecodingMode::SpeculativeTree => Decoding::Tree { budget, branch_k },
@@ -335,11 +431,7 @@ fn usage(summary: &Summary) -> pb::Usage {
 
 fn timings(summary: &Summary) -> pb::Timings {
     let after_first = summary.generated_tokens.saturating_sub(1) as f64;
-    let rate = if summary.decode_ms > 0.0 {
-        after_first / (summary.decode_ms / 1e3)
-    } else {
-        0.0
-    };
+    let rate = if summary.decode_ms > 0.0 { after_first / (summary.decode_ms / 1e3) } else { 0.0 };
     pb::Timings {
         prefill_ms: summary.prefill_ms,
         decode_ms: summary.decode_ms,

@@ -106,6 +106,10 @@ pub struct SpecStats {
     pub accepted_per_depth: Vec<u64>,
     /// Tokens committed by drafted rounds (accepted + bonus), for τ.
     pub committed_in_rounds: usize,
+    /// Tree nodes sent through verification.
+    pub draft_tokens: usize,
+    /// Accepted draft tokens that were committed (a stop inside an accepted run cuts the rest).
+    pub accepted_committed: usize,
     pub draft_time: Duration,
     pub hop_time: Duration,
     pub verify_time: Duration,
@@ -132,29 +136,21 @@ struct History {
 
 impl History {
     fn new(capacity: usize, width: i64, model: &TargetModel) -> Self {
-        let states = (width > 0)
-            .then(|| Tensor::zeros([capacity as i64, width], (model.kind(), model.device())));
-        Self {
-            tokens: Vec::with_capacity(capacity),
-            states,
-            len: 0,
-        }
+        let states =
+            (width > 0).then(|| Tensor::zeros([capacity as i64, width], (model.kind(), model.device())));
+        Self { tokens: Vec::with_capacity(capacity), states, len: 0 }
     }
 
     fn push(&mut self, tokens: &[i64], states: Option<&Tensor>) {
         if let (Some(store), Some(rows)) = (&self.states, states) {
-            store
-                .narrow(0, self.len as i64, tokens.len() as i64)
-                .copy_(rows);
+            store.narrow(0, self.len as i64, tokens.len() as i64).copy_(rows);
         }
         self.tokens.extend_from_slice(tokens);
         self.len += tokens.len();
     }
 
     fn states_from(&self, start: usize) -> Option<Tensor> {
-        self.states
-            .as_ref()
-            .map(|s| s.narrow(0, start as i64, (self.len - start) as i64))
+        self.states.as_ref().map(|s| s.narrow(0, start as i64, (self.len - start) as i64))
     }
 }
 
@@ -216,39 +212,27 @@ pub fn speculative_generate(
     let mut cache = model.new_cache(limit + spec.budget + 1);
     let width = taps.len() as i64 * model.text_config().hidden_size;
     let mut history = History::new(limit + 1, width, model);
+    let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
+    drop(prefill_span);
     history.push(&inputs.input_ids, prompt_states.as_ref());
     let mut root = glance_common::decode::argmax_last(&logits);
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
-    let mut stats = SpecStats {
-        accepted_per_depth: vec![0; max_depth],
-        ..Default::default()
-    };
-    let mut committer = Committer {
-        tokens: Vec::new(),
-        params,
-        on_token,
-        finish: None,
-        prompt_len,
-        limit,
-    };
+    let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
+    let mut committer = Committer { tokens: Vec::new(), params, on_token, finish: None, prompt_len, limit };
     let mut session = provider.open();
     let mut retry = Retry::default();
     let mut alive = committer.commit(root);
     while alive {
         let start = cache.len();
+        let _round = tracing::info_span!("round", position = start).entered();
         let tree = match session.as_mut() {
             Some(s) => request_tree(s.as_mut(), &history, root, start, spec, &mut stats),
             None => None,
         };
         let round = match tree {
-            Some(tree) => match check_tree(
-                &tree,
-                spec.budget,
-                max_depth,
-                model.text_config().vocab_size,
-            ) {
+            Some(tree) => match check_tree(&tree, spec.budget, max_depth, model.text_config().vocab_size) {
                 Ok(()) => Some(tree),
                 Err(reason) => {
                     tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
@@ -265,8 +249,12 @@ pub fn speculative_generate(
             }
         };
         let verify_started = Instant::now();
+        let verify_span = tracing::info_span!("verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
+        let entered = verify_span.enter();
+        let drafted = round.is_some();
         let (committed, states) = match round {
             Some(tree) => {
+                stats.draft_tokens += tree.tokens.len();
                 let (path_tokens, states) =
                     verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps)?;
                 // path_tokens = [root, accepted…, bonus]: this round committed all but the root.
@@ -284,18 +272,22 @@ pub fn speculative_generate(
             }
         };
         stats.verify_time += verify_started.elapsed();
+        drop(entered);
+        let _commit = tracing::info_span!("commit", tokens = committed.len() - 1).entered();
         // committed = [root, accepted…, bonus]; the cache now holds root + accepted.
         let new_positions = committed.len() - 1;
         history.push(&committed[..new_positions], states.as_ref());
-        for &token in &committed[1..] {
+        for (i, &token) in committed[1..].iter().enumerate() {
+            // Every token but the last of a drafted round is an accepted draft token.
+            if drafted && i + 2 < committed.len() {
+                stats.accepted_committed += 1;
+            }
             alive = committer.commit(token);
             if !alive {
                 break;
             }
         }
-        root = *committed
-            .last()
-            .expect("a round commits at least the bonus");
+        root = *committed.last().expect("a round commits at least the bonus");
         if session.is_none() && alive && retry.due() {
             session = provider.open();
             if session.is_none() {
@@ -364,9 +356,12 @@ fn request_tree(
         branch_k: spec.branch_k,
     };
     let asked = Instant::now();
+    let _span =
+        tracing::info_span!("draft", context_rows = history.len - from, budget = spec.budget).entered();
     match session.draft(round) {
         Ok(tree) => {
             let total = asked.elapsed();
+            metrics::histogram!(crate::metrics::DRAFTER_ROUND_LATENCY).record(total.as_secs_f64());
             stats.draft_time += tree.draft_time;
             stats.hop_time += total.saturating_sub(tree.draft_time);
             Some(tree)
@@ -381,19 +376,10 @@ fn request_tree(
 }
 
 /// Refuses trees that would make the verify pass wrong or unbounded.
-pub fn check_tree(
-    tree: &DraftTree,
-    budget: usize,
-    max_depth: usize,
-    vocab: i64,
-) -> Result<(), String> {
+pub fn check_tree(tree: &DraftTree, budget: usize, max_depth: usize, vocab: i64) -> Result<(), String> {
     let n = tree.tokens.len();
     if tree.parents.len() != n || tree.depths.len() != n {
-        return Err(format!(
-            "{n} tokens, {} parents, {} depths",
-            tree.parents.len(),
-            tree.depths.len()
-        ));
+        return Err(format!("{n} tokens, {} parents, {} depths", tree.parents.len(), tree.depths.len()));
     }
     if n > budget {
         return Err(format!("{n} nodes over the budget of {budget}"));
@@ -406,15 +392,9 @@ pub fn check_tree(
         if parent < -1 || parent >= i as i32 {
             return Err(format!("node {i}: parent {parent} is not an earlier node"));
         }
-        let parent_depth = if parent < 0 {
-            0
-        } else {
-            tree.depths[parent as usize] as usize
-        };
+        let parent_depth = if parent < 0 { 0 } else { tree.depths[parent as usize] as usize };
         if depth != parent_depth + 1 || depth > max_depth {
-            return Err(format!(
-                "node {i}: depth {depth} under a parent at depth {parent_depth}"
-            ));
+            return Err(format!("node {i}: depth {depth} under a parent at depth {parent_depth}"));
         }
     }
     Ok(())
@@ -434,18 +414,10 @@ fn tree_mask(prefix: usize, parents: &[i32], kind: Kind, device: tch::Device) ->
         }
         visible[to + row] = true;
     }
-    let blocked: Vec<f32> = visible
-        .iter()
-        .map(|&v| if v { 0.0 } else { f32::NEG_INFINITY })
-        .collect();
+    let blocked: Vec<f32> = visible.iter().map(|&v| if v { 0.0 } else { f32::NEG_INFINITY }).collect();
     let pack_part = Tensor::from_slice(&blocked).view([pack as i64, pack as i64]);
-    let prefix_part = Tensor::zeros(
-        [pack as i64, prefix as i64],
-        (Kind::Float, tch::Device::Cpu),
-    );
-    Tensor::cat(&[prefix_part, pack_part], 1)
-        .to_device(device)
-        .to_kind(kind)
+    let prefix_part = Tensor::zeros([pack as i64, prefix as i64], (Kind::Float, tch::Device::Cpu));
+    Tensor::cat(&[prefix_part, pack_part], 1).to_device(device).to_kind(kind)
 }
 
 /// One target pass over root + tree, the acceptance walk and the KV compaction. Returns the
@@ -460,19 +432,14 @@ fn verify_round(
 ) -> Result<(Vec<i64>, Option<Tensor>), ModelError> {
     let start = cache.len();
     let device = model.device();
-    let ids: Vec<i64> = std::iter::once(root)
-        .chain(tree.tokens.iter().copied())
-        .collect();
+    let ids: Vec<i64> = std::iter::once(root).chain(tree.tokens.iter().copied()).collect();
     let positions: Vec<i64> = std::iter::once(0)
         .chain(tree.depths.iter().map(|&d| d as i64))
         .map(|d| start as i64 + d + rope_delta)
         .collect();
     let n = ids.len() as i64;
-    let positions = Tensor::from_slice(&positions)
-        .view([1, n])
-        .expand([3, n], false)
-        .contiguous()
-        .to_device(device);
+    let positions =
+        Tensor::from_slice(&positions).view([1, n]).expand([3, n], false).contiguous().to_device(device);
     let ids_t = Tensor::from_slice(&ids).to_device(device);
     let mask = tree_mask(start, &tree.parents, model.kind(), device);
     let step = StepInput {
@@ -485,16 +452,11 @@ fn verify_round(
     };
     let out = model.forward(&step, cache)?;
     let choices = Vec::<i64>::try_from(
-        out.logits
-            .expect("logits were requested")
-            .to_kind(Kind::Float)
-            .argmax(-1, false),
+        out.logits.expect("logits were requested").to_kind(Kind::Float).argmax(-1, false),
     )
     .expect("argmax is a 1-D int64 tensor");
     let (path, bonus) = walk(&tree.tokens, &tree.parents, &choices);
-    let keep: Vec<usize> = std::iter::once(0)
-        .chain(path.iter().map(|&i| i + 1))
-        .collect();
+    let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
     let states = gather_states(&out.taps, &keep, device);
     let mut committed = vec![root];
@@ -532,9 +494,7 @@ fn greedy_step(
     let device = model.device();
     let position = cache.len() as i64 + rope_delta;
     let ids = Tensor::from_slice(&[root]).to_device(device);
-    let positions = Tensor::from_slice(&[position; 3])
-        .view([3, 1])
-        .to_device(device);
+    let positions = Tensor::from_slice(&[position; 3]).view([3, 1]).to_device(device);
     let step = StepInput {
         token_ids: &ids,
         positions: &positions,
@@ -544,8 +504,7 @@ fn greedy_step(
         logits: LogitRows::Last,
     };
     let out = model.forward(&step, cache)?;
-    let next =
-        glance_common::decode::argmax_last(out.logits.as_ref().expect("logits were requested"));
+    let next = glance_common::decode::argmax_last(out.logits.as_ref().expect("logits were requested"));
     Ok((vec![root, next], gather_states(&out.taps, &[0], device)))
 }
 
@@ -578,9 +537,8 @@ mod tests {
     #[test]
     fn tree_mask_shows_prefix_and_ancestors_only() {
         let mask = tree_mask(2, &[-1, -1, 0], Kind::Float, tch::Device::Cpu);
-        let visible: Vec<Vec<bool>> = (0..4)
-            .map(|r| (0..6).map(|c| mask.double_value(&[r, c]) == 0.0).collect())
-            .collect();
+        let visible: Vec<Vec<bool>> =
+            (0..4).map(|r| (0..6).map(|c| mask.double_value(&[r, c]) == 0.0).collect()).collect();
         assert_eq!(visible[0], [true, true, true, false, false, false]);
         assert_eq!(visible[1], [true, true, true, true, false, false]);
         assert_eq!(visible[2], [true, true, true, false, true, false]);
@@ -589,29 +547,15 @@ mod tests {
 
     #[test]
     fn malformed_trees_are_refused() {
-        let good = DraftTree {
-            tokens: vec![1, 2],
-            parents: vec![-1, 0],
-            depths: vec![1, 2],
-            ..Default::default()
-        };
+        let good =
+            DraftTree { tokens: vec![1, 2], parents: vec![-1, 0], depths: vec![1, 2], ..Default::default() };
         assert!(check_tree(&good, 4, 15, 10).is_ok());
-        let forward_parent = DraftTree {
-            parents: vec![1, -1],
-            depths: vec![2, 1],
-            ..good.clone()
-        };
+        let forward_parent = DraftTree { parents: vec![1, -1], depths: vec![2, 1], ..good.clone() };
         assert!(check_tree(&forward_parent, 4, 15, 10).is_err());
-        let out_of_vocab = DraftTree {
-            tokens: vec![1, 10],
-            ..good.clone()
-        };
+        let out_of_vocab = DraftTree { tokens: vec![1, 10], ..good.clone() };
         assert!(check_tree(&out_of_vocab, 4, 15, 10).is_err());
         assert!(check_tree(&good, 1, 15, 10).is_err());
-        let wrong_depth = DraftTree {
-            depths: vec![1, 3],
-            ..good.clone()
-        };
+        let wrong_depth = DraftTree { depths: vec![1, 3], ..good.clone() };
         assert!(check_tree(&wrong_depth, 4, 15, 10).is_err());
         assert!(check_tree(&good, 4, 1, 10).is_err());
     }

@@ -56,37 +56,20 @@ impl<D: Detokenize> TextAssembler<D> {
     /// Adds a generated token (not an end-of-sequence token).
     pub fn push(&mut self, id: u32) -> Piece {
         if self.stopped {
-            return Piece {
-                text: String::new(),
-                stop: true,
-            };
+            return Piece { text: String::new(), stop: true };
         }
         self.ids.push(id);
         self.decode_new_text(false);
         if let Some(cut) = self.first_stop() {
             self.stopped = true;
-            let piece = self
-                .text
-                .get(self.emitted..cut)
-                .unwrap_or_default()
-                .to_string();
+            let piece = self.text.get(self.emitted..cut).unwrap_or_default().to_string();
             self.emitted = cut;
-            return Piece {
-                text: piece,
-                stop: true,
-            };
+            return Piece { text: piece, stop: true };
         }
         let safe = self.safe_end();
-        let piece = self
-            .text
-            .get(self.emitted..safe)
-            .unwrap_or_default()
-            .to_string();
+        let piece = self.text.get(self.emitted..safe).unwrap_or_default().to_string();
         self.emitted = self.emitted.max(safe);
-        Piece {
-            text: piece,
-            stop: false,
-        }
+        Piece { text: piece, stop: false }
     }
 
     /// The rest of the text once the generation has ended for another reason.
@@ -95,11 +78,7 @@ impl<D: Detokenize> TextAssembler<D> {
             return String::new();
         }
         self.decode_new_text(true);
-        let rest = self
-            .text
-            .get(self.emitted..)
-            .unwrap_or_default()
-            .to_string();
+        let rest = self.text.get(self.emitted..).unwrap_or_default().to_string();
         self.emitted = self.text.len();
         rest
     }
@@ -107,9 +86,7 @@ impl<D: Detokenize> TextAssembler<D> {
     /// Appends the text the newest tokens completed. While the newest tokens end inside a UTF-8
     /// character (the decoder yields U+FFFD), nothing is appended unless `flush`.
     fn decode_new_text(&mut self, flush: bool) {
-        let prefix = self
-            .detokenizer
-            .detokenize(&self.ids[self.prefix_offset..self.read_offset]);
+        let prefix = self.detokenizer.detokenize(&self.ids[self.prefix_offset..self.read_offset]);
         let window = self.detokenizer.detokenize(&self.ids[self.prefix_offset..]);
         let complete = !window.ends_with('\u{FFFD}');
         if window.len() > prefix.len() && (complete || flush) {
@@ -124,10 +101,7 @@ impl<D: Detokenize> TextAssembler<D> {
         // Only the unemitted tail (plus overlap) can hold a new match.
         let text = &self.text;
         let from = floor_char_boundary(text, self.emitted.saturating_sub(self.longest_stop()));
-        self.stops
-            .iter()
-            .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
-            .min()
+        self.stops.iter().filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i)).min()
     }
 
     fn longest_stop(&self) -> usize {
@@ -176,27 +150,9 @@ mod tests {
         assert_eq!(asm.push(0).text, "Hello");
         assert_eq!(asm.push(1).text, " wor");
         assert_eq!(asm.push(2).text, "ld");
-        assert_eq!(
-            asm.push(3),
-            Piece {
-                text: String::new(),
-                stop: false
-            }
-        );
-        assert_eq!(
-            asm.push(4),
-            Piece {
-                text: String::new(),
-                stop: false
-            }
-        );
-        assert_eq!(
-            asm.push(5),
-            Piece {
-                text: String::new(),
-                stop: true
-            }
-        );
+        assert_eq!(asm.push(3), Piece { text: String::new(), stop: false });
+        assert_eq!(asm.push(4), Piece { text: String::new(), stop: false });
+        assert_eq!(asm.push(5), Piece { text: String::new(), stop: true });
         assert_eq!(asm.finish(), "");
     }
 
@@ -230,12 +186,6 @@ mod tests {
     fn stop_inside_one_token_keeps_the_text_before_it() {
         let mut asm = assembler(&["x", "ab STOP cd"], &["STOP"]);
         assert_eq!(asm.push(0).text, "x");
-        assert_eq!(
-            asm.push(1),
-            Piece {
-                text: "ab ".into(),
-                stop: true
-            }
-        );
+        assert_eq!(asm.push(1), Piece { text: "ab ".into(), stop: true });
     }
 }

@@ -65,13 +65,8 @@ impl ChatTemplate {
         env.add_filter("tojson", pyjson::tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned(TEMPLATE_NAME, source.into())
-            .map_err(|e| LoadError::TemplateSyntax {
-                reason: describe(&e),
-            })?;
-        Ok(Self {
-            env,
-            special_tokens: BTreeMap::new(),
-        })
+            .map_err(|e| LoadError::TemplateSyntax { reason: describe(&e) })?;
+        Ok(Self { env, special_tokens: BTreeMap::new() })
     }
 
     /// Renders `messages` (anything serializing to HF's message list, e.g. `[TemplateMessage]`)
@@ -81,10 +76,7 @@ impl ChatTemplate {
         messages: &impl Serialize,
         add_generation_prompt: bool,
     ) -> Result<String, InputError> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| template_error(&e))?;
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| template_error(&e))?;
         let mut ctx: BTreeMap<&str, Value> = self
             .special_tokens
             .iter()
@@ -102,16 +94,12 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 }
 
 fn template_error(err: &Error) -> InputError {
-    InputError::Template {
-        reason: describe(err),
-    }
+    InputError::Template { reason: describe(err) }
 }
 
 /// The error's own message (what `raise_exception` said) and where in the template it happened.
 fn describe(err: &Error) -> String {
-    let what = err
-        .detail()
-        .map_or_else(|| err.kind().to_string(), str::to_string);
+    let what = err.detail().map_or_else(|| err.kind().to_string(), str::to_string);
     match err.line() {
         Some(line) => format!("{what} (template line {line})"),
         None => what,
@@ -142,9 +130,7 @@ fn find_template_source(
     }
     tokenizer_config
         .and_then(template_field)
-        .ok_or_else(|| LoadError::NoChatTemplate {
-            dir: dir.to_path_buf(),
-        })
+        .ok_or_else(|| LoadError::NoChatTemplate { dir: dir.to_path_buf() })
 }
 
 /// `chat_template` is either the source, or a list of `{name, template}` of which HF uses
@@ -185,20 +171,14 @@ mod tests {
     use super::*;
 
     fn user(parts: Vec<TemplatePart>) -> TemplateMessage {
-        TemplateMessage {
-            role: "user".into(),
-            content: parts,
-        }
+        TemplateMessage { role: "user".into(), content: parts }
     }
 
     #[test]
     fn renders_with_hf_whitespace_rules() {
         let source = "{% for m in messages %}\n  <{{ m.role }}>\n{% for c in m.content %}{% if c.type == 'image' %}[img]{% else %}{{ c.text }}{% endif %}{% endfor %}\n{% endfor %}{% if add_generation_prompt %}GO{% endif %}";
         let t = ChatTemplate::from_source(source).unwrap();
-        let msgs = [user(vec![
-            TemplatePart::Image,
-            TemplatePart::Text { text: "hi".into() },
-        ])];
+        let msgs = [user(vec![TemplatePart::Image, TemplatePart::Text { text: "hi".into() }])];
         // What jinja2 renders with HF's settings (checked with transformers 5.24).
         assert_eq!(t.render(&msgs, true).unwrap(), "  <user>\n[img]hiGO");
     }
@@ -207,9 +187,7 @@ mod tests {
     fn supports_python_methods_loop_controls_and_raise() {
         let source = "{% for m in messages %}{% if loop.index0 > 0 %}{% break %}{% endif %}{{ m.content[0].text.strip().split(',')[-1].startswith('b') }}{% endfor %}{% if messages|length > 1 %}{{ raise_exception('only one message') }}{% endif %}";
         let t = ChatTemplate::from_source(source).unwrap();
-        let one = [user(vec![TemplatePart::Text {
-            text: " a,b ".into(),
-        }])];
+        let one = [user(vec![TemplatePart::Text { text: " a,b ".into() }])];
         assert_eq!(t.render(&one, false).unwrap(), "True");
         let two = [one[0].clone(), one[0].clone()];
         let err = t.render(&two, false).unwrap_err();
@@ -218,11 +196,9 @@ mod tests {
 
     #[test]
     fn parts_serialize_in_hf_shape() {
-        let json = serde_json::to_value(user(vec![
-            TemplatePart::Text { text: "x".into() },
-            TemplatePart::Image,
-        ]))
-        .unwrap();
+        let json =
+            serde_json::to_value(user(vec![TemplatePart::Text { text: "x".into() }, TemplatePart::Image]))
+                .unwrap();
         assert_eq!(
             json,
             serde_json::json!({"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image"}]})

@@ -18,9 +18,7 @@ pub enum InputError {
     #[error("messages: {count} images in one request, at most {limit} are allowed")]
     TooManyImages { count: usize, limit: usize },
 
-    #[error(
-        "{field}: text contains the reserved placeholder {token:?}; images must be sent as image parts"
-    )]
+    #[error("{field}: text contains the reserved placeholder {token:?}; images must be sent as image parts")]
     ReservedToken { field: String, token: String },
 
     #[error(
@@ -32,43 +30,21 @@ pub enum InputError {
     UnsupportedImageFormat { field: String, format: String },
 
     #[error("{field}: corrupt {format} data: {reason}")]
-    CorruptImage {
-        field: String,
-        format: &'static str,
-        reason: String,
-    },
+    CorruptImage { field: String, format: &'static str, reason: String },
 
     #[error("{field}: image is {width}x{height} pixels, more than the {limit} pixels allowed")]
-    TooManyPixels {
-        field: String,
-        width: u64,
-        height: u64,
-        limit: u64,
-    },
+    TooManyPixels { field: String, width: u64, height: u64, limit: u64 },
 
     #[error("{field}: image is {width}x{height}; absolute aspect ratio must be smaller than 200")]
-    ExtremeAspectRatio {
-        field: String,
-        height: usize,
-        width: usize,
-    },
+    ExtremeAspectRatio { field: String, height: usize, width: usize },
 
     #[error("{field}: image has no pixels ({width}x{height})")]
-    EmptyImage {
-        field: String,
-        height: usize,
-        width: usize,
-    },
+    EmptyImage { field: String, height: usize, width: usize },
 
     #[error(
         "{field}: image is {width}x{height}, not a multiple of {factor} pixels, and this model does not resize"
     )]
-    NotPatchAligned {
-        field: String,
-        height: usize,
-        width: usize,
-        factor: usize,
-    },
+    NotPatchAligned { field: String, height: usize, width: usize, factor: usize },
 
     #[error("messages: chat template failed: {reason}")]
     Template { reason: String },
@@ -121,16 +97,10 @@ impl InputError {
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
 
     #[error("{}: invalid JSON: {source}", path.display())]
-    Json {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    Json { path: PathBuf, source: serde_json::Error },
 
     #[error("{}: {reason}", path.display())]
     InvalidConfig { path: PathBuf, reason: String },
@@ -152,23 +122,15 @@ pub enum LoadError {
 }
 
 pub(crate) fn read_to_string(path: &std::path::Path) -> Result<String, LoadError> {
-    std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| LoadError::Io { path: path.to_path_buf(), source })
 }
 
 pub(crate) fn read_json(path: &std::path::Path) -> Result<serde_json::Value, LoadError> {
     let text = read_to_string(path)?;
-    serde_json::from_str(&text).map_err(|source| LoadError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
+    serde_json::from_str(&text).map_err(|source| LoadError::Json { path: path.to_path_buf(), source })
 }
 
-pub(crate) fn read_optional_json(
-    path: &std::path::Path,
-) -> Result<Option<serde_json::Value>, LoadError> {
+pub(crate) fn read_optional_json(path: &std::path::Path) -> Result<Option<serde_json::Value>, LoadError> {
     if path.exists() {
         read_json(path).map(Some)
     } else {

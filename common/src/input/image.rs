@@ -140,25 +140,16 @@ impl ImageProcessorConfig {
         let defaults = Self::default();
         let (min_pixels, max_pixels) = pixel_bounds(&raw, &defaults)?;
         if raw.resample.is_some_and(|r| r != PIL_BICUBIC) {
-            return Err(format!(
-                "resample {:?} is not supported (only 3 = bicubic)",
-                raw.resample
-            ));
+            return Err(format!("resample {:?} is not supported (only 3 = bicubic)", raw.resample));
         }
         let config = Self {
             patch_size: raw.patch_size.unwrap_or(defaults.patch_size),
-            temporal_patch_size: raw
-                .temporal_patch_size
-                .unwrap_or(defaults.temporal_patch_size),
+            temporal_patch_size: raw.temporal_patch_size.unwrap_or(defaults.temporal_patch_size),
             merge_size: raw.merge_size.unwrap_or(defaults.merge_size),
             min_pixels,
             max_pixels,
-            image_mean: raw
-                .image_mean
-                .map_or(Ok(DEFAULT_MEAN), |m| m.into_rgb("image_mean"))?,
-            image_std: raw
-                .image_std
-                .map_or(Ok(DEFAULT_STD), |s| s.into_rgb("image_std"))?,
+            image_mean: raw.image_mean.map_or(Ok(DEFAULT_MEAN), |m| m.into_rgb("image_mean"))?,
+            image_std: raw.image_std.map_or(Ok(DEFAULT_STD), |s| s.into_rgb("image_std"))?,
             rescale_factor: raw.rescale_factor.unwrap_or(defaults.rescale_factor),
             do_resize: raw.do_resize.unwrap_or(true),
             do_rescale: raw.do_rescale.unwrap_or(true),
@@ -202,10 +193,7 @@ impl ImageProcessorConfig {
             return Err(format!("{name} must be positive"));
         }
         if self.min_pixels > self.max_pixels {
-            return Err(format!(
-                "min_pixels ({}) exceeds max_pixels ({})",
-                self.min_pixels, self.max_pixels
-            ));
+            return Err(format!("min_pixels ({}) exceeds max_pixels ({})", self.min_pixels, self.max_pixels));
         }
         if self.image_std.contains(&0.0) {
             return Err("image_std must not contain 0".into());
@@ -216,16 +204,10 @@ impl ImageProcessorConfig {
 
 /// HF's precedence: `size` replaces the defaults wholesale, then top-level `min_pixels` /
 /// `max_pixels` override its edges.
-fn pixel_bounds(
-    raw: &RawConfig,
-    defaults: &ImageProcessorConfig,
-) -> Result<(usize, usize), String> {
+fn pixel_bounds(raw: &RawConfig, defaults: &ImageProcessorConfig) -> Result<(usize, usize), String> {
     let (mut min, mut max) = match &raw.size {
         None => (Some(defaults.min_pixels), Some(defaults.max_pixels)),
-        Some(size) => (
-            size.shortest_edge.or(size.min_pixels),
-            size.longest_edge.or(size.max_pixels),
-        ),
+        Some(size) => (size.shortest_edge.or(size.min_pixels), size.longest_edge.or(size.max_pixels)),
     };
     min = raw.min_pixels.or(min);
     max = raw.max_pixels.or(max);
@@ -296,13 +278,9 @@ fn decode_oriented(
 ) -> Result<DynamicImage, InputError> {
     let mut reader = ImageReader::with_format(Cursor::new(data), format);
     reader.limits(decode_limits(width, height));
-    let mut decoder = reader
-        .into_decoder()
-        .map_err(|e| corrupt(data, format, &e))?;
+    let mut decoder = reader.into_decoder().map_err(|e| corrupt(data, format, &e))?;
     // A malformed EXIF block is not worth failing the request over; PIL ignores it too.
-    let orientation = decoder
-        .orientation()
-        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
     let mut img = match format {
         ImageFormat::Jpeg => decode_jpeg_like_pil(data, decoder)?,
         _ => DynamicImage::from_decoder(decoder).map_err(|e| corrupt(data, format, &e))?,
@@ -312,15 +290,8 @@ fn decode_oriented(
 }
 
 /// libjpeg-exact pixels; CMYK files, which libjpeg cannot convert, go to the `image` decoder.
-fn decode_jpeg_like_pil(
-    data: &[u8],
-    fallback: impl ImageDecoder,
-) -> Result<DynamicImage, InputError> {
-    let jpeg_error = |reason| InputError::CorruptImage {
-        field: IMAGE_FIELD.into(),
-        format: "JPEG",
-        reason,
-    };
+fn decode_jpeg_like_pil(data: &[u8], fallback: impl ImageDecoder) -> Result<DynamicImage, InputError> {
+    let jpeg_error = |reason| InputError::CorruptImage { field: IMAGE_FIELD.into(), format: "JPEG", reason };
     match decode_jpeg(data).map_err(jpeg_error)? {
         JpegPixels::Rgb(rgb) => Ok(DynamicImage::ImageRgb8(rgb)),
         JpegPixels::NotRgb => {
@@ -355,10 +326,7 @@ fn resolve_format(data: &[u8], mime_type: &str) -> Result<ImageFormat, InputErro
         "image/png" => Ok(ImageFormat::Png),
         "image/jpeg" | "image/jpg" | "image/pjpeg" => Ok(ImageFormat::Jpeg),
         "image/webp" => Ok(ImageFormat::WebP),
-        _ => Err(InputError::UnsupportedMime {
-            field: IMAGE_FIELD.into(),
-            mime: mime_type.into(),
-        }),
+        _ => Err(InputError::UnsupportedMime { field: IMAGE_FIELD.into(), mime: mime_type.into() }),
     }
 }
 
@@ -440,18 +408,10 @@ pub fn smart_resize(
     max_pixels: usize,
 ) -> Result<(usize, usize), InputError> {
     if height == 0 || width == 0 || factor == 0 {
-        return Err(InputError::EmptyImage {
-            field: IMAGE_FIELD.into(),
-            height,
-            width,
-        });
+        return Err(InputError::EmptyImage { field: IMAGE_FIELD.into(), height, width });
     }
     if height.max(width) as f64 / height.min(width) as f64 > 200.0 {
-        return Err(InputError::ExtremeAspectRatio {
-            field: IMAGE_FIELD.into(),
-            height,
-            width,
-        });
+        return Err(InputError::ExtremeAspectRatio { field: IMAGE_FIELD.into(), height, width });
     }
     let (h, w, f) = (height as f64, width as f64, factor as f64);
     let mut h_bar = (h / f).round_ties_even() as usize * factor;
@@ -470,10 +430,7 @@ pub fn smart_resize(
 }
 
 /// The processor's whole image path: RGB conversion, resize, rescale, normalize, patchify.
-pub fn preprocess_image(
-    img: &DynamicImage,
-    cfg: &ImageProcessorConfig,
-) -> Result<PreparedImage, InputError> {
+pub fn preprocess_image(img: &DynamicImage, cfg: &ImageProcessorConfig) -> Result<PreparedImage, InputError> {
     let rgb = to_rgb8(img);
     let resized = resize_for_model(&rgb, cfg)?;
     patchify(&resized, cfg)
@@ -511,12 +468,7 @@ pub fn patchify(rgb: &RgbImage, cfg: &ImageProcessorConfig) -> Result<PreparedIm
     let (height, width) = (rgb.height() as usize, rgb.width() as usize);
     let factor = cfg.factor();
     if height % factor != 0 || width % factor != 0 || height == 0 || width == 0 {
-        return Err(InputError::NotPatchAligned {
-            field: IMAGE_FIELD.into(),
-            height,
-            width,
-            factor,
-        });
+        return Err(InputError::NotPatchAligned { field: IMAGE_FIELD.into(), height, width, factor });
     }
     let (grid_h, grid_w) = (height / cfg.patch_size, width / cfg.patch_size);
     let lut = normalization_table(cfg);
@@ -537,8 +489,7 @@ pub fn patchify(rgb: &RgbImage, cfg: &ImageProcessorConfig) -> Result<PreparedIm
 /// Patch (row, col) coordinates in HF's order: merge blocks row-major, and within a block its
 /// `merge x merge` patches row-major, so each merged token's patches are contiguous.
 fn patch_order(grid_h: usize, grid_w: usize, merge: usize) -> impl Iterator<Item = (usize, usize)> {
-    let blocks =
-        (0..grid_h / merge).flat_map(move |bh| (0..grid_w / merge).map(move |bw| (bh, bw)));
+    let blocks = (0..grid_h / merge).flat_map(move |bh| (0..grid_w / merge).map(move |bw| (bh, bw)));
     blocks.flat_map(move |(bh, bw)| {
         (0..merge).flat_map(move |mh| (0..merge).map(move |mw| (bh * merge + mh, bw * merge + mw)))
     })
@@ -596,19 +547,13 @@ mod tests {
     #[test]
     fn smart_resize_matches_python() {
         // Expected values computed with transformers' smart_resize.
-        assert_eq!(
-            smart_resize(224, 224, 28, 3136, 1003520).unwrap(),
-            (224, 224)
-        );
+        assert_eq!(smart_resize(224, 224, 28, 3136, 1003520).unwrap(), (224, 224));
         // round(42/28 = 1.5) is 2 under half-to-even, round(70/28 = 2.5) is 2.
         assert_eq!(smart_resize(42, 70, 28, 3136, 1003520).unwrap(), (56, 56));
         // Too small: scaled up with ceil.
         assert_eq!(smart_resize(10, 20, 28, 3136, 1003520).unwrap(), (56, 84));
         // Too large: scaled down with floor.
-        assert_eq!(
-            smart_resize(4000, 3000, 28, 3136, 1003520).unwrap(),
-            (1148, 840)
-        );
+        assert_eq!(smart_resize(4000, 3000, 28, 3136, 1003520).unwrap(), (1148, 840));
     }
 
     #[test]
@@ -626,10 +571,7 @@ mod tests {
         let old = ImageProcessorConfig::from_json(&old).unwrap();
         let new = ImageProcessorConfig::from_json(&new).unwrap();
         assert_eq!((old.min_pixels, old.max_pixels), (3136, 12845056));
-        assert_eq!(
-            (new.min_pixels, new.max_pixels, new.patch_size),
-            (65536, 16777216, 16)
-        );
+        assert_eq!((new.min_pixels, new.max_pixels, new.patch_size), (65536, 16777216, 16));
         assert_eq!(new.image_std, [0.5; 3]);
         assert_eq!(old.image_mean, DEFAULT_MEAN);
     }
@@ -648,10 +590,8 @@ mod tests {
         let out = patchify(&img, &cfg).unwrap();
         assert_eq!(out.grid_thw, [1, 2, 2]);
         assert_eq!(out.patch_dim, 6);
-        let expected: Vec<f32> = [0., 1., 10., 11.]
-            .iter()
-            .flat_map(|&v| [v, v, 100., 100., 200., 200.])
-            .collect();
+        let expected: Vec<f32> =
+            [0., 1., 10., 11.].iter().flat_map(|&v| [v, v, 100., 100., 200., 200.]).collect();
         assert_eq!(out.pixel_values, expected);
     }
 

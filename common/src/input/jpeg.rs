@@ -40,10 +40,7 @@ pub(super) fn decode_jpeg(data: &[u8]) -> Result<JpegPixels, String> {
 
 fn decode_unwinding(data: &[u8]) -> Result<JpegPixels, String> {
     let decompress = Decompress::new_mem(data).map_err(|e| e.to_string())?;
-    if matches!(
-        decompress.color_space(),
-        ColorSpace::JCS_CMYK | ColorSpace::JCS_YCCK
-    ) {
+    if matches!(decompress.color_space(), ColorSpace::JCS_CMYK | ColorSpace::JCS_YCCK) {
         return Ok(JpegPixels::NotRgb);
     }
     let mut started = decompress.rgb().map_err(|e| e.to_string())?;
@@ -77,10 +74,7 @@ fn count_scans(data: &[u8]) -> usize {
 /// True when no end-of-image marker follows the last start-of-scan (neither can occur inside
 /// entropy-coded data, so this is exactly "the last scan's data was cut off").
 fn is_truncated(data: &[u8]) -> bool {
-    let last_scan = data
-        .windows(2)
-        .rposition(|w| w == [0xFF, 0xDA])
-        .unwrap_or(0);
+    let last_scan = data.windows(2).rposition(|w| w == [0xFF, 0xDA]).unwrap_or(0);
     !data[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
 }
 
@@ -97,9 +91,7 @@ mod tests {
     #[test]
     fn missing_end_marker_means_truncated() {
         assert!(is_truncated(&[0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 3]));
-        assert!(!is_truncated(&[
-            0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0xD9, 7
-        ]));
+        assert!(!is_truncated(&[0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0xD9, 7]));
     }
 
     #[test]

@@ -15,11 +15,9 @@ mod rope_index;
 pub use self::chat::{ChatTemplate, TemplateMessage, TemplatePart};
 pub use self::error::{InputError, LoadError};
 pub use self::image::{
-    decode_image, decode_image_with_limit, patchify, preprocess_image, resize_for_model,
-    smart_resize, to_rgb8, ImageProcessorConfig, PreparedImage, DEFAULT_MAX_DECODED_PIXELS,
+    decode_image, decode_image_with_limit, patchify, preprocess_image, resize_for_model, smart_resize,
+    to_rgb8, ImageProcessorConfig, PreparedImage, DEFAULT_MAX_DECODED_PIXELS,
 };
-pub use self::prompt::{
-    ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions, SpecialTokens,
-};
+pub use self::prompt::{ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions, SpecialTokens};
 pub use self::resample::resize_bicubic;
 pub use self::rope_index::{decode_position, decode_positions, mrope_position_ids, MropePositions};

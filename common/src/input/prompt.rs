@@ -108,18 +108,11 @@ impl PromptBuilder {
         let template = ChatTemplate::from_model_dir(dir)?;
         let image_config = ImageProcessorConfig::from_model_dir(dir)?
             .with_pixel_bounds(options.min_pixels, options.max_pixels)
-            .map_err(|reason| LoadError::InvalidOption {
-                name: "min_pixels/max_pixels",
-                reason,
-            })?;
+            .map_err(|reason| LoadError::InvalidOption { name: "min_pixels/max_pixels", reason })?;
         let config_path = dir.join("config.json");
         let config = read_json(&config_path)?;
-        let special = special_tokens(&config, &tokenizer, &image_config).map_err(|reason| {
-            LoadError::InvalidConfig {
-                path: config_path,
-                reason,
-            }
-        })?;
+        let special = special_tokens(&config, &tokenizer, &image_config)
+            .map_err(|reason| LoadError::InvalidConfig { path: config_path, reason })?;
         let tokenizer_config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         let eos_token_ids = eos_token_ids(dir, &config, tokenizer_config.as_ref(), &tokenizer)?;
         Ok(Self {
@@ -128,9 +121,7 @@ impl PromptBuilder {
             image_config,
             special,
             eos_token_ids,
-            bos_token: tokenizer_config
-                .as_ref()
-                .and_then(|c| token_text(c.get("bos_token")?)),
+            bos_token: tokenizer_config.as_ref().and_then(|c| token_text(c.get("bos_token")?)),
             options,
         })
     }
@@ -151,23 +142,14 @@ impl PromptBuilder {
             self.special.vision_start_token_id,
         )?;
         let image_token_count = images.iter().map(|i| i.n_tokens).sum();
-        Ok(Prompt {
-            text,
-            input_ids,
-            images,
-            positions,
-            rope_delta,
-            image_token_count,
-        })
+        Ok(Prompt { text, input_ids, images, positions, rope_delta, image_token_count })
     }
 
     /// Detokenizes generated ids.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, InputError> {
         self.tokenizer
             .decode(ids, skip_special_tokens)
-            .map_err(|e| InputError::Tokenize {
-                reason: e.to_string(),
-            })
+            .map_err(|e| InputError::Tokenize { reason: e.to_string() })
     }
 
     /// Ids that end generation: `generation_config.json`'s, then `config.json`'s.
@@ -211,10 +193,7 @@ impl PromptBuilder {
             }
         }
         if images > self.options.max_images {
-            return Err(InputError::TooManyImages {
-                count: images,
-                limit: self.options.max_images,
-            });
+            return Err(InputError::TooManyImages { count: images, limit: self.options.max_images });
         }
         Ok(())
     }
@@ -222,10 +201,7 @@ impl PromptBuilder {
     /// HF's processor would pair a placeholder typed by the user with the next real image.
     fn check_text(&self, text: &str, message: usize, part: usize) -> Result<(), InputError> {
         let reserved = std::iter::once(&self.special.image_token).chain(&self.special.reserved);
-        match reserved
-            .into_iter()
-            .find(|token| text.contains(token.as_str()))
-        {
+        match reserved.into_iter().find(|token| text.contains(token.as_str())) {
             Some(token) => Err(InputError::ReservedToken {
                 field: format!("messages[{message}].content[{part}].text"),
                 token: token.clone(),
@@ -240,10 +216,7 @@ impl PromptBuilder {
             for (p, part) in message.content.iter().enumerate() {
                 if let ContentPart::Image { data, mime_type } = part {
                     let field = format!("messages[{m}].content[{p}].image");
-                    images.push(
-                        self.prepare_image(data, mime_type)
-                            .map_err(|e| e.at_field(field))?,
-                    );
+                    images.push(self.prepare_image(data, mime_type).map_err(|e| e.at_field(field))?);
                 }
             }
         }
@@ -258,34 +231,22 @@ impl PromptBuilder {
     /// Like the processor's tokenizer call, special tokens are added unless the prompt already
     /// starts with the BOS token (Qwen's tokenizers add none either way).
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, InputError> {
-        let add_special = !self
-            .bos_token
-            .as_deref()
-            .is_some_and(|bos| text.starts_with(bos));
-        let encoding =
-            self.tokenizer
-                .encode(text, add_special)
-                .map_err(|e| InputError::Tokenize {
-                    reason: e.to_string(),
-                })?;
+        let add_special = !self.bos_token.as_deref().is_some_and(|bos| text.starts_with(bos));
+        let encoding = self
+            .tokenizer
+            .encode(text, add_special)
+            .map_err(|e| InputError::Tokenize { reason: e.to_string() })?;
         Ok(encoding.get_ids().to_vec())
     }
 
     /// Replaces the i-th image placeholder token with image i's `n_tokens` copies. Equivalent to
     /// HF's expansion in the text because the placeholder is an added token, which the tokenizer
     /// splits off before anything else.
-    fn expand_image_tokens(
-        &self,
-        ids: &[u32],
-        images: &[PreparedImage],
-    ) -> Result<Vec<u32>, InputError> {
+    fn expand_image_tokens(&self, ids: &[u32], images: &[PreparedImage]) -> Result<Vec<u32>, InputError> {
         let image_token = self.special.image_token_id;
         let placeholders = ids.iter().filter(|&&id| id == image_token).count();
         if placeholders != images.len() {
-            return Err(InputError::ImagePlaceholderMismatch {
-                placeholders,
-                images: images.len(),
-            });
+            return Err(InputError::ImagePlaceholderMismatch { placeholders, images: images.len() });
         }
         let extra: usize = images.iter().map(|i| i.n_tokens.saturating_sub(1)).sum();
         let mut expanded = Vec::with_capacity(ids.len() + extra);
@@ -320,10 +281,8 @@ fn template_part(part: &ContentPart) -> TemplatePart {
 }
 
 fn load_tokenizer(path: &Path) -> Result<Tokenizer, LoadError> {
-    Tokenizer::from_file(path).map_err(|e| LoadError::Tokenizer {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
+    Tokenizer::from_file(path)
+        .map_err(|e| LoadError::Tokenizer { path: path.to_path_buf(), reason: e.to_string() })
 }
 
 /// Special ids are top-level keys of `config.json` in both model families; fall back to the
@@ -357,10 +316,7 @@ fn special_tokens(
 }
 
 fn config_id(config: &serde_json::Value, key: &str) -> Option<u32> {
-    config
-        .get(key)
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|id| u32::try_from(id).ok())
+    config.get(key).and_then(serde_json::Value::as_u64).and_then(|id| u32::try_from(id).ok())
 }
 
 /// The processor expands placeholders with its own `merge_size` while the model positions them
@@ -407,9 +363,7 @@ fn eos_token_ids(
     if ids.is_empty() {
         return Err(LoadError::InvalidConfig {
             path: dir.join("generation_config.json"),
-            reason:
-                "no eos_token_id in generation_config.json, config.json or tokenizer_config.json"
-                    .into(),
+            reason: "no eos_token_id in generation_config.json, config.json or tokenizer_config.json".into(),
         });
     }
     Ok(ids)

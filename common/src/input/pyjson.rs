@@ -19,9 +19,7 @@ struct Style {
 impl Style {
     fn from_kwargs(kwargs: &Kwargs) -> Result<Self, Error> {
         let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
-        let indent = kwargs
-            .get::<Option<Value>>("indent")?
-            .and_then(indent_string);
+        let indent = kwargs.get::<Option<Value>>("indent")?.and_then(indent_string);
         let separators = kwargs.get::<Option<Vec<String>>>("separators")?;
         let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
         kwargs.assert_all_used()?;
@@ -32,13 +30,7 @@ impl Style {
             Some(_) => return Err(invalid("separators must be a pair")),
             None => (default_item.to_string(), ": ".to_string()),
         };
-        Ok(Self {
-            ensure_ascii,
-            indent,
-            item_separator,
-            key_separator,
-            sort_keys,
-        })
+        Ok(Self { ensure_ascii, indent, item_separator, key_separator, sort_keys })
     }
 }
 
@@ -73,11 +65,7 @@ fn write_value(out: &mut String, value: &Value, style: &Style, depth: usize) -> 
         ValueKind::String => write_string(out, value.as_str().unwrap_or(""), style.ensure_ascii),
         ValueKind::Seq | ValueKind::Iterable => write_seq(out, value, style, depth)?,
         ValueKind::Map => write_map(out, value, style, depth)?,
-        kind => {
-            return Err(invalid(format!(
-                "Object of type {kind} is not JSON serializable"
-            )))
-        }
+        kind => return Err(invalid(format!("Object of type {kind} is not JSON serializable"))),
     }
     Ok(())
 }
@@ -107,21 +95,14 @@ pub(crate) fn python_float_repr(x: f64) -> String {
     let exponent: i32 = exponent.parse().unwrap_or(0);
     let sign = if x.is_sign_negative() { "-" } else { "" };
     let point = exponent + 1;
-    let body = if !(-3..=16).contains(&point) {
-        scientific(&digits, exponent)
-    } else {
-        fixed(&digits, point)
-    };
+    let body =
+        if !(-3..=16).contains(&point) { scientific(&digits, exponent) } else { fixed(&digits, point) };
     format!("{sign}{body}")
 }
 
 fn scientific(digits: &str, exponent: i32) -> String {
     let (first, rest) = digits.split_at(1);
-    let fraction = if rest.is_empty() {
-        String::new()
-    } else {
-        format!(".{rest}")
-    };
+    let fraction = if rest.is_empty() { String::new() } else { format!(".{rest}") };
     let exp_sign = if exponent < 0 { '-' } else { '+' };
     format!("{first}{fraction}e{exp_sign}{:02}", exponent.abs())
 }
@@ -256,10 +237,7 @@ mod tests {
     #[test]
     fn dumps_like_python_json() {
         let ctx = minijinja::context! { x => serde_json::json!({"b": [1, 2.5, null, true], "a": "é\"<\n"}) };
-        assert_eq!(
-            dumps("{{ x | tojson }}", ctx.clone()),
-            r#"{"a": "é\"<\n", "b": [1, 2.5, null, true]}"#
-        );
+        assert_eq!(dumps("{{ x | tojson }}", ctx.clone()), r#"{"a": "é\"<\n", "b": [1, 2.5, null, true]}"#);
         assert_eq!(
             dumps("{{ x | tojson(indent=2, ensure_ascii=true) }}", ctx),
             "{\n  \"a\": \"\\u00e9\\\"<\\n\",\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ]\n}"

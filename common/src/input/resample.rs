@@ -57,9 +57,8 @@ impl Kernel {
             let first = ((center - support + 0.5) as i64).max(0) as usize;
             let end = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
             let taps = end.saturating_sub(first);
-            let raw: Vec<f64> = (0..taps)
-                .map(|i| bicubic(((i + first) as f64 - center + 0.5) * inv_scale))
-                .collect();
+            let raw: Vec<f64> =
+                (0..taps).map(|i| bicubic(((i + first) as f64 - center + 0.5) * inv_scale)).collect();
             let total: f64 = raw.iter().sum();
             for (slot, w) in row.iter_mut().zip(&raw) {
                 let w = if total != 0.0 { w / total } else { *w };
@@ -67,11 +66,7 @@ impl Kernel {
             }
             bounds.push((first, taps));
         }
-        Self {
-            bounds,
-            weights,
-            ksize,
-        }
+        Self { bounds, weights, ksize }
     }
 
     fn taps(&self, out_index: usize) -> (usize, &[i32]) {
@@ -113,13 +108,7 @@ pub fn resize_bicubic(src: &RgbImage, width: u32, height: u32) -> RgbImage {
         return RgbImage::new(width, height);
     }
     let pixels = match (dst_w != src_w, dst_h != src_h) {
-        (true, false) => resample_rows(
-            src.as_raw(),
-            src_w,
-            0..src_h,
-            &Kernel::new(src_w, dst_w),
-            dst_w,
-        ),
+        (true, false) => resample_rows(src.as_raw(), src_w, 0..src_h, &Kernel::new(src_w, dst_w), dst_w),
         (false, _) => resample_columns(src.as_raw(), src_w, &Kernel::new(src_h, dst_h), dst_h),
         (true, true) if vertical_first(src_w, src_h, dst_w, dst_h) => {
             let rows = resample_columns(src.as_raw(), src_w, &Kernel::new(src_h, dst_h), dst_h);

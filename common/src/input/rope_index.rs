@@ -24,11 +24,7 @@ impl MropePositions {
 
     /// Row-major `(3, n)` layout, ready for a `[3, 1, n]` position-id tensor.
     pub fn to_flat(&self) -> Vec<i64> {
-        [&self.t, &self.h, &self.w]
-            .into_iter()
-            .flatten()
-            .copied()
-            .collect()
+        [&self.t, &self.h, &self.w].into_iter().flatten().copied().collect()
     }
 
     fn push_text(&mut self, position: i64) {
@@ -38,10 +34,7 @@ impl MropePositions {
     }
 
     fn max(&self) -> Option<i64> {
-        [&self.t, &self.h, &self.w]
-            .into_iter()
-            .flat_map(|axis| axis.iter().copied())
-            .max()
+        [&self.t, &self.h, &self.w].into_iter().flat_map(|axis| axis.iter().copied()).max()
     }
 }
 
@@ -72,15 +65,10 @@ pub fn mrope_position_ids(
         }
         let run = run_length(&input_ids[index..], image_token_id);
         if index == 0 || input_ids[index - 1] != vision_start_token_id {
-            return Err(layout_error(format!(
-                "image tokens at {index} do not follow a vision-start token"
-            )));
+            return Err(layout_error(format!("image tokens at {index} do not follow a vision-start token")));
         }
         let (image, grid) = grids.next().ok_or_else(|| {
-            layout_error(format!(
-                "more image token runs than the {} images",
-                image_grids.len()
-            ))
+            layout_error(format!("more image token runs than the {} images", image_grids.len()))
         })?;
         let llm_grid = llm_grid(grid, spatial_merge_size, image)?;
         check_run(run, llm_grid, image)?;
@@ -91,9 +79,7 @@ pub fn mrope_position_ids(
     if let Some((image, _)) = grids.next() {
         return Err(layout_error(format!("image {image} has no image tokens")));
     }
-    let delta = positions
-        .max()
-        .map_or(0, |max| max + 1 - input_ids.len() as i64);
+    let delta = positions.max().map_or(0, |max| max + 1 - input_ids.len() as i64);
     Ok((positions, delta))
 }
 

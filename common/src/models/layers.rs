@@ -21,11 +21,7 @@ impl Linear {
         bias: bool,
     ) -> Result<Self, WeightsError> {
         let weight = ckpt.take(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
-        let bias = if bias {
-            Some(ckpt.take(&format!("{prefix}.bias"), &[out_dim])?)
-        } else {
-            None
-        };
+        let bias = if bias { Some(ckpt.take(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
         Ok(Self { weight, bias })
     }
 
@@ -64,16 +60,8 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        name: &str,
-        dim: i64,
-        eps: f64,
-    ) -> Result<Self, WeightsError> {
-        Ok(Self {
-            weight: ckpt.take(&format!("{name}.weight"), &[dim])?,
-            eps,
-        })
+    pub fn load(ckpt: &mut Checkpoint, name: &str, dim: i64, eps: f64) -> Result<Self, WeightsError> {
+        Ok(Self { weight: ckpt.take(&format!("{name}.weight"), &[dim])?, eps })
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
@@ -93,12 +81,7 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        name: &str,
-        dim: i64,
-        eps: f64,
-    ) -> Result<Self, WeightsError> {
+    pub fn load(ckpt: &mut Checkpoint, name: &str, dim: i64, eps: f64) -> Result<Self, WeightsError> {
         Ok(Self {
             weight: ckpt.take(&format!("{name}.weight"), &[dim])?,
             bias: ckpt.take(&format!("{name}.bias"), &[dim])?,
@@ -107,10 +90,7 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let dim = *x
-            .size()
-            .last()
-            .expect("layer norm input has a last dimension");
+        let dim = *x.size().last().expect("layer norm input has a last dimension");
         x.layer_norm([dim], Some(&self.weight), Some(&self.bias), self.eps, true)
     }
 }
@@ -144,20 +124,14 @@ impl Activation {
 
 /// Inverse rotary frequencies `1 / base^(2i/dim)` for i < dim/2, computed as torch does (f32).
 pub fn inverse_frequencies(base: f64, dim: i64, device: tch::Device) -> Tensor {
-    let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device))
-        .to_kind(Kind::Float)
-        / dim as f64;
+    let exponents =
+        Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / dim as f64;
     Tensor::pow_scalar(base, &exponents).reciprocal()
 }
 
 /// Rotates half the last dimension: (x1, x2) → (−x2, x1).
 pub fn rotate_half(x: &Tensor) -> Tensor {
-    let half = x
-        .size()
-        .last()
-        .copied()
-        .expect("rotary input has a last dimension")
-        / 2;
+    let half = x.size().last().copied().expect("rotary input has a last dimension") / 2;
     let x1 = x.narrow(-1, 0, half);
     let x2 = x.narrow(-1, half, half);
     Tensor::cat(&[x2.neg(), x1], -1)
@@ -199,7 +173,5 @@ pub fn segmented_attention(q: &Tensor, k: &Tensor, v: &Tensor, segments: &[(i64,
     let out = Tensor::cat(&outputs, 1); // (heads, N, head_dim)
     let heads = out.size()[0];
     let n = out.size()[1];
-    out.transpose(0, 1)
-        .contiguous()
-        .view([n, heads * out.size()[2]])
+    out.transpose(0, 1).contiguous().view([n, heads * out.size()[2]])
 }

@@ -86,10 +86,7 @@ impl TargetModel {
     /// architecture needs must be present with the configured shape.
     pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self, ModelError> {
         let config = read_json(&dir.join("config.json"))?;
-        let model_type = config
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
         let mut ckpt = Checkpoint::open(dir, kind, device)?;
         let (family, ids, text, vision) = match model_type {
             "qwen3_vl" => {
@@ -106,14 +103,7 @@ impl TargetModel {
         if !unused.is_empty() {
             tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
         }
-        Ok(Self {
-            family,
-            ids,
-            text,
-            vision,
-            kind,
-            device,
-        })
+        Ok(Self { family, ids, text, vision, kind, device })
     }
 
     pub fn kind(&self) -> Kind {
@@ -135,11 +125,7 @@ impl TargetModel {
         self.vision.encode(&pixels, grids)
     }
 
-    pub fn forward(
-        &self,
-        input: &StepInput,
-        cache: &mut KvCache,
-    ) -> Result<StepOutput, ModelError> {
+    pub fn forward(&self, input: &StepInput, cache: &mut KvCache) -> Result<StepOutput, ModelError> {
         self.text.forward(input, cache)
     }
 
@@ -150,10 +136,7 @@ impl TargetModel {
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value, ModelError> {
-    let err = |reason: String| ModelError::Config {
-        path: path.display().to_string(),
-        reason,
-    };
+    let err = |reason: String| ModelError::Config { path: path.display().to_string(), reason };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| err(e.to_string()))
 }
@@ -177,47 +160,27 @@ impl<'a> ConfigView<'a> {
     }
 
     pub fn int(&self, key: &str) -> Result<i64, ModelError> {
-        self.value
-            .get(key)
-            .and_then(Value::as_i64)
-            .ok_or_else(|| self.missing(key))
+        self.value.get(key).and_then(Value::as_i64).ok_or_else(|| self.missing(key))
     }
 
     pub fn int_or(&self, key: &str, default: i64) -> i64 {
-        self.value
-            .get(key)
-            .and_then(Value::as_i64)
-            .unwrap_or(default)
+        self.value.get(key).and_then(Value::as_i64).unwrap_or(default)
     }
 
     pub fn float_or(&self, key: &str, default: f64) -> f64 {
-        self.value
-            .get(key)
-            .and_then(Value::as_f64)
-            .unwrap_or(default)
+        self.value.get(key).and_then(Value::as_f64).unwrap_or(default)
     }
 
     pub fn bool_or(&self, key: &str, default: bool) -> bool {
-        self.value
-            .get(key)
-            .and_then(Value::as_bool)
-            .unwrap_or(default)
+        self.value.get(key).and_then(Value::as_bool).unwrap_or(default)
     }
 
     pub fn str_or(&self, key: &'a str, default: &'a str) -> &'a str {
-        self.value
-            .get(key)
-            .and_then(Value::as_str)
-            .unwrap_or(default)
+        self.value.get(key).and_then(Value::as_str).unwrap_or(default)
     }
 
     pub fn int_list(&self, key: &str) -> Option<Vec<i64>> {
-        self.value
-            .get(key)?
-            .as_array()?
-            .iter()
-            .map(Value::as_i64)
-            .collect()
+        self.value.get(key)?.as_array()?.iter().map(Value::as_i64).collect()
     }
 
     pub fn activation(&self, default: &str) -> Result<layers::Activation, ModelError> {
@@ -237,9 +200,7 @@ pub(crate) fn text_config(
 ) -> Result<TextConfig, ModelError> {
     let section = root.get("text_config").unwrap_or(root);
     let c = ConfigView::new(section, "text_config");
-    let rope = section
-        .get("rope_parameters")
-        .or_else(|| section.get("rope_scaling"));
+    let rope = section.get("rope_parameters").or_else(|| section.get("rope_scaling"));
     let rope_view = rope.map(|r| ConfigView::new(r, "rope_parameters"));
     let rope_theta = rope_view
         .as_ref()
@@ -256,11 +217,8 @@ pub(crate) fn text_config(
         .unwrap_or(interleaved_default);
     let hidden_size = c.int("hidden_size")?;
     let num_heads = c.int("num_attention_heads")?;
-    let head_dim = if qwen3_style {
-        c.int_or("head_dim", hidden_size / num_heads)
-    } else {
-        hidden_size / num_heads
-    };
+    let head_dim =
+        if qwen3_style { c.int_or("head_dim", hidden_size / num_heads) } else { hidden_size / num_heads };
     if sections.iter().sum::<usize>() as i64 != head_dim / 2 {
         return Err(c.missing("mrope_section (must sum to head_dim/2)"));
     }
@@ -295,10 +253,7 @@ pub(crate) fn text_config(
 }
 
 /// Multimodal token ids from the top level of `config.json`.
-pub(crate) fn multimodal_ids(
-    root: &Value,
-    spatial_merge_size: i64,
-) -> Result<MultimodalIds, ModelError> {
+pub(crate) fn multimodal_ids(root: &Value, spatial_merge_size: i64) -> Result<MultimodalIds, ModelError> {
     let c = ConfigView::new(root, "top level");
     Ok(MultimodalIds {
         image_token_id: c.int("image_token_id")?,
@@ -338,10 +293,7 @@ pub(crate) fn vision_rotary(
 ) -> (Tensor, Tensor) {
     let inv_freq = layers::inverse_frequencies(theta, head_dim / 2, device); // (hd/4)
     let flat: Vec<i64> = coords.iter().flat_map(|c| c.iter().copied()).collect();
-    let pos = Tensor::from_slice(&flat)
-        .to_device(device)
-        .view([-1, 2])
-        .to_kind(Kind::Float);
+    let pos = Tensor::from_slice(&flat).to_device(device).view([-1, 2]).to_kind(Kind::Float);
     let freqs = pos.unsqueeze(-1) * inv_freq; // (N, 2, hd/4)
     let n = coords.len() as i64;
     let hw = freqs.view([n, -1]); // (N, hd/2): h freqs then w freqs
@@ -358,12 +310,7 @@ pub(crate) struct VisionAttention {
 }
 
 impl VisionAttention {
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        dim: i64,
-        num_heads: i64,
-    ) -> Result<Self, WeightsError> {
+    pub fn load(ckpt: &mut Checkpoint, prefix: &str, dim: i64, num_heads: i64) -> Result<Self, WeightsError> {
         Ok(Self {
             qkv: layers::Linear::load(ckpt, &format!("{prefix}.qkv"), dim, 3 * dim, true)?,
             proj: layers::Linear::load(ckpt, &format!("{prefix}.proj"), dim, dim, true)?,
@@ -372,27 +319,15 @@ impl VisionAttention {
     }
 
     /// x: (N, dim); cos/sin: (N, head_dim) f32; segments: (start, len) ranges attended separately.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        segments: &[(i64, i64)],
-    ) -> Tensor {
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, segments: &[(i64, i64)]) -> Tensor {
         let n = x.size()[0];
-        let qkv = self
-            .qkv
-            .forward(x)
-            .view([n, 3, self.num_heads, -1])
-            .permute([1, 0, 2, 3]);
+        let qkv = self.qkv.forward(x).view([n, 3, self.num_heads, -1]).permute([1, 0, 2, 3]);
         let (cos, sin) = (cos.unsqueeze(1), sin.unsqueeze(1));
-        let rope =
-            |t: Tensor| layers::apply_rotary(&t.to_kind(Kind::Float), &cos, &sin).to_kind(x.kind());
+        let rope = |t: Tensor| layers::apply_rotary(&t.to_kind(Kind::Float), &cos, &sin).to_kind(x.kind());
         let q = rope(qkv.get(0)).transpose(0, 1);
         let k = rope(qkv.get(1)).transpose(0, 1);
         let v = qkv.get(2).transpose(0, 1);
-        self.proj
-            .forward(&layers::segmented_attention(&q, &k, &v, segments))
+        self.proj.forward(&layers::segmented_attention(&q, &k, &v, segments))
     }
 }
 
@@ -416,10 +351,7 @@ mod tests {
     #[test]
     fn patch_coords_follow_merge_blocks() {
         let coords = vision_patch_coords(&[[1, 2, 4]], 2);
-        assert_eq!(
-            &coords[..6],
-            &[[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3]]
-        );
+        assert_eq!(&coords[..6], &[[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3]]);
         assert_eq!(coords.len(), 8);
     }
 }

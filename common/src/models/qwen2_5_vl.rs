@@ -8,8 +8,8 @@ use tch::Tensor;
 use super::layers::{Activation, Linear, RmsNorm};
 use super::text::{TextModel, VisionEmbeds};
 use super::{
-    multimodal_ids, per_frame_segments, text_config, vision_patch_coords, vision_rotary,
-    ConfigView, ModelError, MultimodalIds, VisionAttention,
+    multimodal_ids, per_frame_segments, text_config, vision_patch_coords, vision_rotary, ConfigView,
+    ModelError, MultimodalIds, VisionAttention,
 };
 use crate::weights::{Checkpoint, WeightsError};
 
@@ -115,13 +115,7 @@ impl VisionModel {
         let p = VISION_PREFIX;
         let conv = ckpt.take(
             &format!("{p}.patch_embed.proj.weight"),
-            &[
-                dim,
-                c.in_channels,
-                c.temporal_patch_size,
-                c.patch_size,
-                c.patch_size,
-            ],
+            &[dim, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size],
         )?;
         // Conv3d with kernel == stride over a whole patch is a linear map of the flattened patch.
         let patch_embed = Linear::from_weight(conv.reshape([dim, -1]));
@@ -132,13 +126,7 @@ impl VisionModel {
         Ok(Self {
             merger_norm: RmsNorm::load(ckpt, &format!("{p}.merger.ln_q"), dim, 1e-6)?,
             merger_fc1: Linear::load(ckpt, &format!("{p}.merger.mlp.0"), merged, merged, true)?,
-            merger_fc2: Linear::load(
-                ckpt,
-                &format!("{p}.merger.mlp.2"),
-                merged,
-                c.out_hidden_size,
-                true,
-            )?,
+            merger_fc2: Linear::load(ckpt, &format!("{p}.merger.mlp.2"), merged, c.out_hidden_size, true)?,
             config,
             patch_embed,
             blocks,
@@ -155,9 +143,7 @@ impl VisionModel {
         // Window attention needs each window's patches contiguous: reorder whole 2×2 merge units.
         let permute = |t: &Tensor| {
             let n = t.size()[0];
-            t.view([n / unit, unit, -1])
-                .index_select(0, &order)
-                .view([n, -1])
+            t.view([n / unit, unit, -1]).index_select(0, &order).view([n, -1])
         };
         let x = permute(&self.patch_embed.forward(pixel_values));
         let coords = vision_patch_coords(grids, c.spatial_merge_size);
@@ -166,25 +152,14 @@ impl VisionModel {
         let full_segments = per_frame_segments(grids);
         let mut x = x;
         for (i, block) in self.blocks.iter().enumerate() {
-            let segments = if c.fullatt_block_indexes.contains(&i) {
-                &full_segments
-            } else {
-                &windows.segments
-            };
+            let segments =
+                if c.fullatt_block_indexes.contains(&i) { &full_segments } else { &windows.segments };
             x = block.forward(&x, &cos, &sin, segments);
         }
-        let merged = self
-            .merger_norm
-            .forward(&x)
-            .view([-1, c.hidden_size * unit]);
-        let merged = self
-            .merger_fc2
-            .forward(&self.merger_fc1.forward(&merged).gelu("none"));
+        let merged = self.merger_norm.forward(&x).view([-1, c.hidden_size * unit]);
+        let merged = self.merger_fc2.forward(&self.merger_fc1.forward(&merged).gelu("none"));
         let restore = Tensor::from_slice(&windows.inverse_index()).to_device(device);
-        VisionEmbeds {
-            embeds: merged.index_select(0, &restore),
-            deepstack: Vec::new(),
-        }
+        VisionEmbeds { embeds: merged.index_select(0, &restore), deepstack: Vec::new() }
     }
 }
 
@@ -227,10 +202,7 @@ impl WindowPartition {
             }
             offset += t * rows * cols;
         }
-        Self {
-            window_index,
-            segments,
-        }
+        Self { window_index, segments }
     }
 
     /// The permutation that puts window order back into raster (processor) order.
@@ -263,9 +235,7 @@ impl VisionBlock {
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, segments: &[(i64, i64)]) -> Tensor {
-        let h = x + self
-            .attn
-            .forward(&self.norm1.forward(x), cos, sin, segments);
+        let h = x + self.attn.forward(&self.norm1.forward(x), cos, sin, segments);
         let normed = self.norm2.forward(&h);
         let m = &self.mlp;
         let gated = m.activation.apply(&m.gate_proj.forward(&normed)) * m.up_proj.forward(&normed);

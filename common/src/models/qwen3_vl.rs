@@ -8,8 +8,8 @@ use tch::{Kind, Tensor};
 use super::layers::{Activation, LayerNorm, Linear};
 use super::text::{TextModel, VisionEmbeds};
 use super::{
-    multimodal_ids, per_frame_segments, text_config, vision_patch_coords, vision_rotary,
-    ConfigView, ModelError, MultimodalIds, VisionAttention,
+    multimodal_ids, per_frame_segments, text_config, vision_patch_coords, vision_rotary, ConfigView,
+    ModelError, MultimodalIds, VisionAttention,
 };
 use crate::weights::{Checkpoint, WeightsError};
 
@@ -128,21 +128,12 @@ impl VisionModel {
         // Conv3d with kernel == stride over a whole patch is a linear map of the flattened patch.
         let conv = ckpt.take(
             &format!("{p}.patch_embed.proj.weight"),
-            &[
-                dim,
-                c.in_channels,
-                c.temporal_patch_size,
-                c.patch_size,
-                c.patch_size,
-            ],
+            &[dim, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size],
         )?;
         let conv_bias = ckpt.take(&format!("{p}.patch_embed.proj.bias"), &[dim])?;
         let patch_embed_weight = conv.reshape([dim, c.patch_dim()]);
         let patch_embed = Linear::from_parts(patch_embed_weight, Some(conv_bias));
-        let pos_embed = ckpt.take(
-            &format!("{p}.pos_embed.weight"),
-            &[c.num_position_embeddings, dim],
-        )?;
+        let pos_embed = ckpt.take(&format!("{p}.pos_embed.weight"), &[c.num_position_embeddings, dim])?;
         let blocks = (0..c.depth)
             .map(|i| VisionBlock::load(ckpt, &format!("{p}.blocks.{i}"), c))
             .collect::<Result<Vec<_>, _>>()?;
@@ -150,14 +141,7 @@ impl VisionModel {
         let deepstack_mergers = (0..c.deepstack_visual_indexes.len())
             .map(|i| PatchMerger::load(ckpt, &format!("{p}.deepstack_merger_list.{i}"), c, true))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            config,
-            patch_embed,
-            pos_embed,
-            blocks,
-            merger,
-            deepstack_mergers,
-        })
+        Ok(Self { config, patch_embed, pos_embed, blocks, merger, deepstack_mergers })
     }
 
     /// pixel_values: (patches, patch_dim) → merged embeddings (patches/4, out_hidden) and the
@@ -166,10 +150,7 @@ impl VisionModel {
         let c = &self.config;
         let device = pixel_values.device();
         let mut x = self.patch_embed.forward(pixel_values);
-        x = &x
-            + self
-                .interpolated_position_embeddings(grids)
-                .to_kind(x.kind());
+        x = &x + self.interpolated_position_embeddings(grids).to_kind(x.kind());
         let coords = vision_patch_coords(grids, c.spatial_merge_size);
         let (cos, sin) = vision_rotary(&coords, c.hidden_size / c.num_heads, c.rope_theta, device);
         let segments = per_frame_segments(grids);
@@ -180,10 +161,7 @@ impl VisionModel {
                 deepstack.push(self.deepstack_mergers[k].forward(&x));
             }
         }
-        VisionEmbeds {
-            embeds: self.merger.forward(&x),
-            deepstack,
-        }
+        VisionEmbeds { embeds: self.merger.forward(&x), deepstack }
     }
 
     /// The learned (side × side) position table resampled to each image's patch grid with
@@ -213,9 +191,7 @@ impl VisionModel {
         let device = self.pos_embed.device();
         let n = coords.len() as i64;
         let indices = Tensor::from_slice(&indices).to_device(device);
-        let weights = Tensor::from_slice(&weights)
-            .to_device(device)
-            .view([n, 4, 1]);
+        let weights = Tensor::from_slice(&weights).to_device(device).view([n, 4, 1]);
         let gathered = self.pos_embed.index_select(0, &indices).view([n, 4, -1]);
         // f32 like the reference (f32 weights promote the product), cast by the caller.
         (gathered.to_kind(Kind::Float) * weights).sum_dim_intlist(1, false, None::<Kind>)
@@ -240,34 +216,17 @@ impl VisionBlock {
             attn: VisionAttention::load(ckpt, &format!("{prefix}.attn"), dim, c.num_heads)?,
             norm2: LayerNorm::load(ckpt, &format!("{prefix}.norm2"), dim, 1e-6)?,
             mlp: VisionMlp {
-                fc1: Linear::load(
-                    ckpt,
-                    &format!("{prefix}.mlp.linear_fc1"),
-                    dim,
-                    c.intermediate_size,
-                    true,
-                )?,
-                fc2: Linear::load(
-                    ckpt,
-                    &format!("{prefix}.mlp.linear_fc2"),
-                    c.intermediate_size,
-                    dim,
-                    true,
-                )?,
+                fc1: Linear::load(ckpt, &format!("{prefix}.mlp.linear_fc1"), dim, c.intermediate_size, true)?,
+                fc2: Linear::load(ckpt, &format!("{prefix}.mlp.linear_fc2"), c.intermediate_size, dim, true)?,
                 activation: c.activation,
             },
         })
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, segments: &[(i64, i64)]) -> Tensor {
-        let h = x + self
-            .attn
-            .forward(&self.norm1.forward(x), cos, sin, segments);
+        let h = x + self.attn.forward(&self.norm1.forward(x), cos, sin, segments);
         let mlp = &self.mlp;
-        &h + mlp.fc2.forward(
-            &mlp.activation
-                .apply(&mlp.fc1.forward(&self.norm2.forward(&h))),
-        )
+        &h + mlp.fc2.forward(&mlp.activation.apply(&mlp.fc1.forward(&self.norm2.forward(&h))))
     }
 }
 
@@ -279,27 +238,11 @@ impl PatchMerger {
         postshuffle_norm: bool,
     ) -> Result<Self, WeightsError> {
         let merged_dim = c.hidden_size * c.spatial_merge_size * c.spatial_merge_size;
-        let norm_dim = if postshuffle_norm {
-            merged_dim
-        } else {
-            c.hidden_size
-        };
+        let norm_dim = if postshuffle_norm { merged_dim } else { c.hidden_size };
         Ok(Self {
             norm: LayerNorm::load(ckpt, &format!("{prefix}.norm"), norm_dim, 1e-6)?,
-            fc1: Linear::load(
-                ckpt,
-                &format!("{prefix}.linear_fc1"),
-                merged_dim,
-                merged_dim,
-                true,
-            )?,
-            fc2: Linear::load(
-                ckpt,
-                &format!("{prefix}.linear_fc2"),
-                merged_dim,
-                c.out_hidden_size,
-                true,
-            )?,
+            fc1: Linear::load(ckpt, &format!("{prefix}.linear_fc1"), merged_dim, merged_dim, true)?,
+            fc2: Linear::load(ckpt, &format!("{prefix}.linear_fc2"), merged_dim, c.out_hidden_size, true)?,
             merged_dim,
             postshuffle_norm,
         })

@@ -152,28 +152,18 @@ impl TextModel {
         image_token_id: i64,
     ) -> Result<Self, WeightsError> {
         let c = &config;
-        let embed_tokens = ckpt.take(
-            &format!("{prefix}.embed_tokens.weight"),
-            &[c.vocab_size, c.hidden_size],
-        )?;
+        let embed_tokens =
+            ckpt.take(&format!("{prefix}.embed_tokens.weight"), &[c.vocab_size, c.hidden_size])?;
         let layers = (0..c.num_layers)
             .map(|i| DecoderLayer::load(ckpt, &format!("{prefix}.layers.{i}"), c))
             .collect::<Result<Vec<_>, _>>()?;
-        let norm = RmsNorm::load(
-            ckpt,
-            &format!("{prefix}.norm"),
-            c.hidden_size,
-            c.rms_norm_eps,
-        )?;
+        let norm = RmsNorm::load(ckpt, &format!("{prefix}.norm"), c.hidden_size, c.rms_norm_eps)?;
         let lm_head = if ckpt.contains("lm_head.weight") {
             Linear::load(ckpt, "lm_head", c.hidden_size, c.vocab_size, false)?
         } else if c.tie_word_embeddings {
             Linear::from_weight(embed_tokens.shallow_clone())
         } else {
-            return Err(WeightsError::Missing {
-                name: "lm_head.weight".into(),
-                alternatives: vec![],
-            });
+            return Err(WeightsError::Missing { name: "lm_head.weight".into(), alternatives: vec![] });
         };
         let device = ckpt.device();
         let inv_freq = inverse_frequencies(c.rope_theta, c.head_dim, device);
@@ -209,21 +199,10 @@ impl TextModel {
 
     pub fn new_cache(&self, capacity: usize, kind: Kind, device: Device) -> KvCache {
         let c = &self.config;
-        KvCache::new(
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            capacity,
-            kind,
-            device,
-        )
+        KvCache::new(c.num_layers, c.num_kv_heads, c.head_dim, capacity, kind, device)
     }
 
-    pub fn forward(
-        &self,
-        input: &StepInput,
-        cache: &mut KvCache,
-    ) -> Result<StepOutput, ModelError> {
+    pub fn forward(&self, input: &StepInput, cache: &mut KvCache) -> Result<StepOutput, ModelError> {
         let n = input.token_ids.size()[0];
         check_step_shapes(input, n, cache.len() as i64, self.config.num_layers)?;
         cache.ensure_room(n as usize)?;
@@ -260,10 +239,7 @@ impl TextModel {
             LogitRows::Last => Some(self.lm_head.forward(&normed.narrow(0, n - 1, 1))),
             LogitRows::None => None,
         };
-        let taps = taps
-            .into_iter()
-            .map(|t| t.expect("every tap index was validated"))
-            .collect();
+        let taps = taps.into_iter().map(|t| t.expect("every tap index was validated")).collect();
         Ok(StepOutput { logits, taps })
     }
 
@@ -292,10 +268,7 @@ impl TextModel {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq; // (3, n, hd/2)
         let n = positions.size()[1];
         let pairs = self.inv_freq.size()[0];
-        let axis = self
-            .axis_per_pair
-            .view([1, 1, pairs])
-            .expand([1, n, pairs], false);
+        let axis = self.axis_per_pair.view([1, 1, pairs]).expand([1, n, pairs], false);
         let chosen = freqs.gather(0, &axis, false).squeeze_dim(0); // (n, hd/2)
         let angles = Tensor::cat(&[&chosen, &chosen], -1);
         (angles.cos().to_kind(kind), angles.sin().to_kind(kind))
@@ -310,36 +283,20 @@ fn record_taps(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, hidd
     }
 }
 
-fn check_step_shapes(
-    input: &StepInput,
-    n: i64,
-    past: i64,
-    layers: usize,
-) -> Result<(), ModelError> {
+fn check_step_shapes(input: &StepInput, n: i64, past: i64, layers: usize) -> Result<(), ModelError> {
     if n == 0 {
-        return Err(ModelError::Input(
-            "a forward pass needs at least one token".into(),
-        ));
+        return Err(ModelError::Input("a forward pass needs at least one token".into()));
     }
     if input.positions.size() != [3, n] {
-        return Err(ModelError::Input(format!(
-            "positions {:?}, expected [3, {n}]",
-            input.positions.size()
-        )));
+        return Err(ModelError::Input(format!("positions {:?}, expected [3, {n}]", input.positions.size())));
     }
     if let Some(mask) = input.mask {
         if mask.size() != [n, past + n] {
-            return Err(ModelError::Input(format!(
-                "mask {:?}, expected [{n}, {}]",
-                mask.size(),
-                past + n
-            )));
+            return Err(ModelError::Input(format!("mask {:?}, expected [{n}, {}]", mask.size(), past + n)));
         }
     }
     if let Some(&bad) = input.taps.iter().find(|&&t| t >= layers) {
-        return Err(ModelError::Input(format!(
-            "tap layer {bad} out of range (model has {layers} layers)"
-        )));
+        return Err(ModelError::Input(format!("tap layer {bad} out of range (model has {layers} layers)")));
     }
     Ok(())
 }
@@ -373,14 +330,7 @@ impl DecoderLayer {
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
-        let h = x + self.attn.forward(
-            &self.input_layernorm.forward(x),
-            cos,
-            sin,
-            mask,
-            layer,
-            cache,
-        );
+        let h = x + self.attn.forward(&self.input_layernorm.forward(x), cos, sin, mask, layer, cache);
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
 }
@@ -393,28 +343,15 @@ impl Attention {
             Linear::load(ckpt, &format!("{prefix}.{name}"), i, o, bias)
         };
         let norm = |ckpt: &mut Checkpoint, name: &str| {
-            RmsNorm::load(
-                ckpt,
-                &format!("{prefix}.{name}"),
-                c.head_dim,
-                c.rms_norm_eps,
-            )
+            RmsNorm::load(ckpt, &format!("{prefix}.{name}"), c.head_dim, c.rms_norm_eps)
         };
         Ok(Self {
             q_proj: proj(ckpt, "q_proj", c.hidden_size, q_dim, c.qkv_bias)?,
             k_proj: proj(ckpt, "k_proj", c.hidden_size, kv_dim, c.qkv_bias)?,
             v_proj: proj(ckpt, "v_proj", c.hidden_size, kv_dim, c.qkv_bias)?,
             o_proj: proj(ckpt, "o_proj", q_dim, c.hidden_size, c.o_bias)?,
-            q_norm: if c.qk_norm {
-                Some(norm(ckpt, "q_norm")?)
-            } else {
-                None
-            },
-            k_norm: if c.qk_norm {
-                Some(norm(ckpt, "k_norm")?)
-            } else {
-                None
-            },
+            q_norm: if c.qk_norm { Some(norm(ckpt, "q_norm")?) } else { None },
+            k_norm: if c.qk_norm { Some(norm(ckpt, "k_norm")?) } else { None },
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -458,11 +395,7 @@ impl Attention {
             None,
             self.num_heads != self.num_kv_heads,
         ); // (1, heads, n, head_dim)
-        let out = out
-            .squeeze_dim(0)
-            .transpose(0, 1)
-            .contiguous()
-            .view([n, self.num_heads * self.head_dim]);
+        let out = out.squeeze_dim(0).transpose(0, 1).contiguous().view([n, self.num_heads * self.head_dim]);
         self.o_proj.forward(&out)
     }
 }
@@ -491,18 +424,9 @@ mod tests {
     #[test]
     fn mrope_axis_layouts() {
         // Qwen2.5-VL: [2, 3, 3] → t t h h h w w w
-        assert_eq!(
-            MropeLayout::Sectioned(vec![2, 3, 3]).axis_per_pair(8),
-            vec![0, 0, 1, 1, 1, 2, 2, 2]
-        );
+        assert_eq!(MropeLayout::Sectioned(vec![2, 3, 3]).axis_per_pair(8), vec![0, 0, 1, 1, 1, 2, 2, 2]);
         // Qwen3-VL interleaved: t h w t h w t h, h and w limited to 3·section.
-        assert_eq!(
-            MropeLayout::Interleaved(vec![2, 3, 3]).axis_per_pair(8),
-            vec![0, 1, 2, 0, 1, 2, 0, 1]
-        );
-        assert_eq!(
-            MropeLayout::Interleaved(vec![4, 2, 2]).axis_per_pair(8),
-            vec![0, 1, 2, 0, 1, 2, 0, 0]
-        );
+        assert_eq!(MropeLayout::Interleaved(vec![2, 3, 3]).axis_per_pair(8), vec![0, 1, 2, 0, 1, 2, 0, 1]);
+        assert_eq!(MropeLayout::Interleaved(vec![4, 2, 2]).axis_per_pair(8), vec![0, 1, 2, 0, 1, 2, 0, 0]);
     }
 }

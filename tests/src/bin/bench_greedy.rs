@@ -33,22 +33,17 @@ struct Args {
 fn main() {
     let args = Args::parse();
     let model_dir = args.model.clone().unwrap_or_else(|| {
-        glance_tests::fixtures()
-            .expect("no fixtures: run scripts/setup.sh")
-            .join("tiny-qwen3-vl")
+        glance_tests::fixtures().expect("no fixtures: run scripts/setup.sh").join("tiny-qwen3-vl")
     });
     tch::set_num_threads(args.threads);
     let case = Case::load(&model_dir, &args.case);
-    let prompts = PromptBuilder::from_model_dir(&model_dir, PromptOptions::default())
-        .expect("prompt builder");
+    let prompts =
+        PromptBuilder::from_model_dir(&model_dir, PromptOptions::default()).expect("prompt builder");
     let model = TargetModel::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
     let prompt = prompts.build(&case.chat_messages()).expect("prompt");
     let inputs = verifier_svc::engine::model_inputs(&prompt);
-    let params = GreedyParams {
-        max_new_tokens: args.max_new_tokens,
-        eos_token_ids: &[],
-        context_limit: 1 << 20,
-    };
+    let params =
+        GreedyParams { max_new_tokens: args.max_new_tokens, eos_token_ids: &[], context_limit: 1 << 20 };
     let ours = || {
         let generation =
             greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).expect("generate");
@@ -60,7 +55,9 @@ fn main() {
     for round in 0..args.rounds {
         let (rate, prefill) = ours();
         let hf = hf_rate(&model_dir, &args);
-        println!("round {round}: glance {rate:.1} tok/s (prefill {prefill:.1} ms) | hf-transformers {hf:.1} tok/s");
+        println!(
+            "round {round}: glance {rate:.1} tok/s (prefill {prefill:.1} ms) | hf-transformers {hf:.1} tok/s"
+        );
         glance_rates.push(rate);
         hf_rates.push(hf);
     }
@@ -86,39 +83,22 @@ fn main() {
 /// Runs `tests/reference/bench_hf.py` once and reads its decode tokens/s.
 fn hf_rate(model_dir: &std::path::Path, args: &Args) -> f64 {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("reference/bench_hf.py");
-    let case_json = model_dir
-        .join("reference")
-        .join(format!("{}.json", args.case));
+    let case_json = model_dir.join("reference").join(format!("{}.json", args.case));
     let output = Command::new("python")
         .arg(&script)
         .arg("--model")
         .arg(model_dir)
         .arg("--case")
         .arg(&case_json)
-        .args([
-            "--max-new-tokens",
-            &args.max_new_tokens.to_string(),
-            "--runs",
-            "1",
-        ])
+        .args(["--max-new-tokens", &args.max_new_tokens.to_string(), "--runs", "1"])
         .args(["--threads", &args.threads.to_string()])
         .output()
         .expect("running bench_hf.py (is the project venv on PATH? source scripts/env.sh)");
-    assert!(
-        output.status.success(),
-        "bench_hf.py failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(output.status.success(), "bench_hf.py failed: {}", String::from_utf8_lossy(&output.stderr));
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .expect("bench_hf.py printed no JSON");
+    let line = stdout.lines().rev().find(|l| l.starts_with('{')).expect("bench_hf.py printed no JSON");
     let value: serde_json::Value = serde_json::from_str(line).expect("bench_hf.py JSON");
-    value["tokens_per_s_decode"]
-        .as_f64()
-        .expect("tokens_per_s_decode")
+    value["tokens_per_s_decode"].as_f64().expect("tokens_per_s_decode")
 }
 
 fn median(values: &mut [f64]) -> f64 {

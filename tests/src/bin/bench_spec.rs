@@ -53,9 +53,7 @@ struct ModeResult {
 async fn main() {
     let args = Args::parse();
     let model = args.model.clone().unwrap_or_else(|| {
-        glance_tests::fixtures()
-            .expect("no fixtures: run scripts/setup.sh")
-            .join("tiny-qwen3-vl")
+        glance_tests::fixtures().expect("no fixtures: run scripts/setup.sh").join("tiny-qwen3-vl")
     });
     let head = args.head.clone().unwrap_or_else(|| {
         let out = std::env::temp_dir().join(format!("glance-bench-head-{}", std::process::id()));
@@ -76,9 +74,7 @@ async fn main() {
         model.to_str().unwrap(),
     ]);
     let verifier = ServiceProcess::verifier(&model, &["--drafter", &drafter.url]);
-    let mut client = GenerationClient::connect(verifier.url.clone())
-        .await
-        .expect("connect");
+    let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
     let modes = [
         ("autoregressive", pb::DecodingMode::Autoregressive),
         ("tree", pb::DecodingMode::SpeculativeTree),
@@ -87,18 +83,11 @@ async fn main() {
     ];
     // Warm-up: one request per mode.
     for (_, mode) in modes {
-        client
-            .generate(suite::request(&prompts[0], mode, args.tree_budget))
-            .await
-            .expect("warm-up");
+        client.generate(suite::request(&prompts[0], mode, args.tree_budget)).await.expect("warm-up");
     }
     let mut results = Vec::new();
     for (name, mode) in modes {
-        let mut r = ModeResult {
-            mode: name.into(),
-            lossless: true,
-            ..Default::default()
-        };
+        let mut r = ModeResult { mode: name.into(), lossless: true, ..Default::default() };
         for prompt in &prompts {
             let response = client
                 .generate(suite::request(prompt, mode, args.tree_budget))
@@ -122,17 +111,9 @@ async fn main() {
             }
         }
         r.tokens_per_s = r.tokens as f64 / (r.decode_ms / 1e3);
-        r.tau = if r.rounds > 0 {
-            r.tau / r.rounds as f64
-        } else {
-            1.0
-        };
+        r.tau = if r.rounds > 0 { r.tau / r.rounds as f64 } else { 1.0 };
         let round_ms = r.draft_ms + r.hop_ms + r.verify_ms;
-        r.hop_share_of_round = if round_ms > 0.0 {
-            r.hop_ms / round_ms
-        } else {
-            0.0
-        };
+        r.hop_share_of_round = if round_ms > 0.0 { r.hop_ms / round_ms } else { 0.0 };
         results.push(r);
     }
     let ar = results[0].tokens_per_s;
@@ -156,8 +137,5 @@ async fn main() {
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_string_pretty(&results).unwrap()).expect("write json");
     }
-    assert!(
-        results.iter().all(|r| r.lossless),
-        "an output differed from autoregressive decoding"
-    );
+    assert!(results.iter().all(|r| r.lossless), "an output differed from autoregressive decoding");
 }

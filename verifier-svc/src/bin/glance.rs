@@ -90,23 +90,16 @@ async fn main() {
 type Error = Box<dyn std::error::Error>;
 
 async fn run(cli: Cli) -> Result<(), Error> {
-    let mut client = GenerationClient::connect(cli.addr.clone())
-        .await?
-        .max_decoding_message_size(64 * 1024 * 1024);
+    let mut client =
+        GenerationClient::connect(cli.addr.clone()).await?.max_decoding_message_size(64 * 1024 * 1024);
     match cli.command {
         Command::Info => {
-            let info = client
-                .model_info(pb::ModelInfoRequest {})
-                .await?
-                .into_inner();
+            let info = client.model_info(pb::ModelInfoRequest {}).await?.into_inner();
             println!("{info:#?}");
         }
         Command::Generate(args) => {
             let started = Instant::now();
-            let response = client
-                .generate(build_request(&args, args.mode)?)
-                .await?
-                .into_inner();
+            let response = client.generate(build_request(&args, args.mode)?).await?.into_inner();
             if args.json {
                 print_json(&response);
             } else {
@@ -123,10 +116,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
 async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
     use std::io::Write;
     let started = Instant::now();
-    let mut stream = client
-        .generate_stream(build_request(args, args.mode)?)
-        .await?
-        .into_inner();
+    let mut stream = client.generate_stream(build_request(args, args.mode)?).await?.into_inner();
     let mut last = pb::GenerateResponse::default();
     while let Some(chunk) = stream.message().await? {
         print!("{}", chunk.text);
@@ -147,38 +137,20 @@ async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> 
 /// Autoregressive first, then the requested mode (tree by default): the speed-up is the ratio of
 /// decode milliseconds per token, both measured by the server on this request.
 async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
-    let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) {
-        Mode::Tree
-    } else {
-        args.mode
-    };
+    let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Tree } else { args.mode };
     let started = Instant::now();
-    let ar = client
-        .generate(build_request(args, Mode::Autoregressive)?)
-        .await?
-        .into_inner();
-    let spec = client
-        .generate(build_request(args, mode)?)
-        .await?
-        .into_inner();
+    let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();
+    let spec = client.generate(build_request(args, mode)?).await?.into_inner();
     println!("{}", spec.text);
     print_summary(&spec, started);
     let identical = ar.token_ids == spec.token_ids;
     let per_token = |r: &pb::GenerateResponse| {
         let t = r.timings.unwrap_or_default();
-        let n = r
-            .usage
-            .unwrap_or_default()
-            .generated_tokens
-            .saturating_sub(1)
-            .max(1);
+        let n = r.usage.unwrap_or_default().generated_tokens.saturating_sub(1).max(1);
         t.decode_ms / n as f64
     };
     let (ar_ms, spec_ms) = (per_token(&ar), per_token(&spec));
-    let tau = spec
-        .speculative
-        .map(|s| s.mean_accepted_length)
-        .unwrap_or(1.0);
+    let tau = spec.speculative.map(|s| s.mean_accepted_length).unwrap_or(1.0);
     println!(
         "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to greedy: {identical}",
         mode.proto().as_str_name(),
@@ -195,29 +167,17 @@ fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest,
     if let Some(system) = &args.system {
         messages.push(pb::ChatMessage {
             role: "system".into(),
-            content: vec![pb::ContentPart {
-                part: Some(pb::content_part::Part::Text(system.clone())),
-            }],
+            content: vec![pb::ContentPart { part: Some(pb::content_part::Part::Text(system.clone())) }],
         });
     }
     let mut content = Vec::new();
     for path in &args.images {
         let data = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let image = pb::Image {
-            data,
-            mime_type: String::new(),
-        };
-        content.push(pb::ContentPart {
-            part: Some(pb::content_part::Part::Image(image)),
-        });
+        let image = pb::Image { data, mime_type: String::new() };
+        content.push(pb::ContentPart { part: Some(pb::content_part::Part::Image(image)) });
     }
-    content.push(pb::ContentPart {
-        part: Some(pb::content_part::Part::Text(args.prompt.clone())),
-    });
-    messages.push(pb::ChatMessage {
-        role: "user".into(),
-        content,
-    });
+    content.push(pb::ContentPart { part: Some(pb::content_part::Part::Text(args.prompt.clone())) });
+    messages.push(pb::ChatMessage { role: "user".into(), content });
     Ok(pb::GenerateRequest {
         messages,
         max_new_tokens: args.max_new_tokens,
@@ -231,9 +191,7 @@ fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest,
 }
 
 fn print_summary(response: &pb::GenerateResponse, started: Instant) {
-    let finish = pb::FinishReason::try_from(response.finish_reason)
-        .map(|f| f.as_str_name())
-        .unwrap_or("?");
+    let finish = pb::FinishReason::try_from(response.finish_reason).map(|f| f.as_str_name()).unwrap_or("?");
     let usage = response.usage.unwrap_or_default();
     let timings = response.timings.unwrap_or_default();
     println!(

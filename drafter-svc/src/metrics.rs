@@ -1,0 +1,24 @@
+//! The drafter's Prometheus metrics.
+
+/// Draft streams (generations) open now: the autoscaling signal of the drafter pool.
+pub const SESSIONS_OPEN: &str = "glance_drafter_sessions_open";
+/// Rounds answered with a tree.
+pub const ROUNDS: &str = "glance_drafter_rounds_total";
+/// Rounds that ended their session with an error.
+pub const FAILED_ROUNDS: &str = "glance_drafter_failed_rounds_total";
+/// Drafter compute per round (head forward + tree), seconds.
+pub const DRAFT_LATENCY: &str = "glance_drafter_draft_seconds";
+
+const BUCKETS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+pub fn buckets() -> Vec<(&'static str, &'static [f64])> {
+    vec![(DRAFT_LATENCY, BUCKETS)]
+}
+
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(SESSIONS_OPEN, "Draft streams open now.");
+    describe_counter!(ROUNDS, "Rounds answered with a tree.");
+    describe_counter!(FAILED_ROUNDS, "Rounds that ended their session with an error.");
+    describe_histogram!(DRAFT_LATENCY, Unit::Seconds, "Head forward plus tree building per round.");
+}

@@ -1,0 +1,73 @@
+//! The verifier's Prometheus metrics: names, help texts and histogram buckets. The speculative
+//! counters are named like vLLM's (`*_spec_decode_num_drafts`, …) so dashboards carry over.
+
+/// Requests by outcome: ok, cancelled, deadline_exceeded, invalid_argument, rejected, unavailable,
+/// failed_precondition, error.
+pub const REQUESTS: &str = "glance_requests_total";
+/// Admitted requests waiting for an engine thread.
+pub const QUEUE_SIZE: &str = "glance_queue_size";
+/// Generations running now.
+pub const RUNNING: &str = "glance_requests_running";
+pub const TTFT: &str = "glance_time_to_first_token_seconds";
+pub const ITL: &str = "glance_inter_token_latency_seconds";
+/// Tokens generated (all modes).
+pub const GENERATED_TOKENS: &str = "glance_generated_tokens_total";
+/// Drafted rounds (one target verify pass over a tree each).
+pub const SPEC_DRAFTS: &str = "glance_spec_decode_num_drafts";
+/// Draft tokens (tree nodes) sent through verification.
+pub const SPEC_DRAFT_TOKENS: &str = "glance_spec_decode_num_draft_tokens";
+/// Draft tokens accepted and committed.
+pub const SPEC_ACCEPTED_TOKENS: &str = "glance_spec_decode_num_accepted_tokens";
+/// Accepted draft tokens by tree depth (`position` 0 = first drafted offset).
+pub const SPEC_ACCEPTED_PER_POS: &str = "glance_spec_decode_num_accepted_tokens_per_pos";
+/// Tau of the last speculative request (committed tokens per drafted round).
+pub const SPEC_TAU: &str = "glance_spec_decode_mean_accepted_length";
+/// Rounds decoded as plain greedy steps because no drafter answered in time.
+pub const SPEC_FALLBACK_ROUNDS: &str = "glance_spec_decode_fallback_rounds";
+/// Trees refused as malformed.
+pub const SPEC_REJECTED_TREES: &str = "glance_spec_decode_rejected_trees";
+/// One drafter round as the verifier sees it: request sent to tree received.
+pub const DRAFTER_ROUND_LATENCY: &str = "glance_drafter_round_latency_seconds";
+/// Serialized bytes sent to the drafter.
+pub const DRAFTER_BYTES: &str = "glance_drafter_hop_bytes";
+/// 1 while a compatible drafter is connected.
+pub const DRAFTER_CONNECTED: &str = "glance_drafter_connected";
+
+const LATENCY_BUCKETS: &[f64] =
+    &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+/// Histogram buckets per metric.
+pub fn buckets() -> Vec<(&'static str, &'static [f64])> {
+    vec![(TTFT, LATENCY_BUCKETS), (ITL, LATENCY_BUCKETS), (DRAFTER_ROUND_LATENCY, LATENCY_BUCKETS)]
+}
+
+/// Registers the help texts (shown as `# HELP` lines).
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(REQUESTS, "Requests by outcome.");
+    describe_gauge!(QUEUE_SIZE, "Admitted requests waiting for an engine thread.");
+    describe_gauge!(RUNNING, "Generations running now.");
+    describe_histogram!(TTFT, Unit::Seconds, "Arrival to first generated token.");
+    describe_histogram!(ITL, Unit::Seconds, "Time between consecutive generated tokens.");
+    describe_counter!(GENERATED_TOKENS, "Tokens generated.");
+    describe_counter!(SPEC_DRAFTS, "Drafted rounds (target verify passes over a tree).");
+    describe_counter!(SPEC_DRAFT_TOKENS, "Draft tokens (tree nodes) verified.");
+    describe_counter!(SPEC_ACCEPTED_TOKENS, "Draft tokens accepted and committed.");
+    describe_counter!(
+        SPEC_ACCEPTED_PER_POS,
+        "Accepted draft tokens by depth (position 0 = first drafted offset)."
+    );
+    describe_gauge!(SPEC_TAU, "Committed tokens per drafted round, last speculative request.");
+    describe_counter!(
+        SPEC_FALLBACK_ROUNDS,
+        "Rounds decoded as greedy steps because no drafter answered in time."
+    );
+    describe_counter!(SPEC_REJECTED_TREES, "Trees refused as malformed.");
+    describe_histogram!(
+        DRAFTER_ROUND_LATENCY,
+        Unit::Seconds,
+        "Drafter round trip: request sent to tree received."
+    );
+    describe_counter!(DRAFTER_BYTES, Unit::Bytes, "Serialized bytes sent to the drafter.");
+    describe_gauge!(DRAFTER_CONNECTED, "1 while a compatible drafter is connected.");
+}
