@@ -283,7 +283,7 @@ async fn a_disconnected_client_stops_its_generation() {
 fn refused_start(args: &[&str]) -> String {
     let output = std::process::Command::new(glance_tests::process::binary("verifier-svc"))
         .args(args)
-        .args(["--listen", "127.0.0.1:0"])
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "off"])
         .output()
         .expect("running verifier-svc");
     assert!(!output.status.success(), "verifier-svc started with {args:?}");
