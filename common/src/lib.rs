@@ -8,5 +8,6 @@ pub mod kv_cache;
 pub mod models;
 pub mod telemetry;
 pub mod toyworld;
+pub mod train;
 pub mod weights;
 pub mod wire;

@@ -43,6 +43,18 @@ pub struct Checkpoint {
     tensors: HashMap<String, Tensor>,
     kind: Kind,
     device: Device,
+    /// Fresh weights instead of stored ones (training from scratch).
+    random: Option<RandomInit>,
+    /// Trainable: every tensor taken requires grad and is recorded, under its name.
+    trainable: bool,
+    taken: Vec<(String, Tensor)>,
+}
+
+/// How fresh weights are drawn: norms 1, biases 0, everything else N(0, std²), in the order the
+/// model takes them (seeded, so the same config and seed give the same weights).
+#[derive(Clone, Copy, Debug)]
+pub struct RandomInit {
+    pub std: f64,
 }
 
 impl Checkpoint {
@@ -55,12 +67,40 @@ impl Checkpoint {
                 .map_err(|e| WeightsError::Read { path: file.clone(), reason: e.to_string() })?;
             tensors.extend(loaded);
         }
-        Ok(Self { tensors, kind, device })
+        Ok(Self { tensors, kind, device, random: None, trainable: false, taken: Vec::new() })
+    }
+
+    /// A checkpoint that makes up its weights as they are taken (see [`RandomInit`]); seed torch
+    /// (`tch::manual_seed`) first for reproducible weights.
+    pub fn random(init: RandomInit, kind: Kind, device: Device) -> Self {
+        Self {
+            tensors: HashMap::new(),
+            kind,
+            device,
+            random: Some(init),
+            trainable: false,
+            taken: Vec::new(),
+        }
+    }
+
+    /// Makes every tensor taken from now on a trainable parameter (requires grad, recorded).
+    pub fn into_trainable(mut self) -> Self {
+        self.trainable = true;
+        self
+    }
+
+    /// The trainable parameters taken so far, by checkpoint name (5.x names), in load order.
+    pub fn parameters(&self) -> &[(String, Tensor)] {
+        &self.taken
     }
 
     /// Takes a weight by its transformers-5.x name (`model.language_model.*`, `model.visual.*`,
     /// `lm_head.*`), falling back to the 4.x hub names (`model.*`, `visual.*`), and checks its shape.
     pub fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, WeightsError> {
+        if let Some(init) = self.random {
+            let tensor = fresh_tensor(name, shape, init, self.kind, self.device);
+            return Ok(self.record(name, tensor));
+        }
         let tensor = self.take_any_shape(name)?;
         if tensor.size() != shape {
             return Err(WeightsError::Shape {
@@ -79,13 +119,30 @@ impl Checkpoint {
             .chain(alternatives.iter().cloned())
             .find_map(|candidate| self.tensors.remove(&candidate));
         match found {
-            Some(t) => Ok(t.to_device(self.device).to_kind(self.kind)),
+            Some(t) => {
+                let tensor = t.to_device(self.device).to_kind(self.kind);
+                Ok(self.record(name, tensor))
+            }
             None => Err(WeightsError::Missing { name: name.to_string(), alternatives }),
         }
     }
 
+    fn record(&mut self, name: &str, tensor: Tensor) -> Tensor {
+        if !self.trainable {
+            return tensor;
+        }
+        let tensor = tensor.set_requires_grad(true);
+        // A shallow clone shares the tensor (and its gradient) with the model.
+        self.taken.push((name.to_string(), tensor.shallow_clone()));
+        tensor
+    }
+
     /// Whether a tensor exists under either layout (optional weights such as biases, lm_head).
     pub fn contains(&self, name: &str) -> bool {
+        if self.random.is_some() {
+            // Fresh models get an untied LM head and no optional biases.
+            return name == "lm_head.weight" || !name.ends_with(".bias");
+        }
         self.tensors.contains_key(name) || legacy_names(name).iter().any(|n| self.tensors.contains_key(n))
     }
 
@@ -103,6 +160,19 @@ impl Checkpoint {
         names.sort();
         names
     }
+}
+
+/// A fresh weight by the role its name gives it.
+fn fresh_tensor(name: &str, shape: &[i64], init: RandomInit, kind: Kind, device: Device) -> Tensor {
+    let is_norm = name.contains("norm") || name.contains("ln_q");
+    let tensor = if name.ends_with(".bias") {
+        Tensor::zeros(shape, (Kind::Float, device))
+    } else if is_norm && shape.len() == 1 {
+        Tensor::ones(shape, (Kind::Float, device))
+    } else {
+        Tensor::randn(shape, (Kind::Float, device)) * init.std
+    };
+    tensor.to_kind(kind)
 }
 
 /// The safetensors files of a model directory: the index's shards, or the single file.

@@ -308,21 +308,33 @@ impl DraftHead {
         kind: Kind,
         device: Device,
     ) -> Result<Self, HeadError> {
-        let embed = embed.to_device(device).to_kind(kind);
-        let lm_head = lm_head.to_device(device).to_kind(kind);
-        check_shared_matrices(&config, &embed, &lm_head)?;
         let mut ckpt = Checkpoint::open(head_weights_dir, kind, device)?;
-        let prefix = weight_prefix(&ckpt)?;
+        Self::from_checkpoint(config, &mut ckpt, embed, lm_head)
+    }
+
+    /// Builds the head from `ckpt` (stored weights, or trainable ones for `drafter-svc train`)
+    /// and the target's frozen embedding and LM head.
+    pub fn from_checkpoint(
+        config: DraftHeadConfig,
+        ckpt: &mut Checkpoint,
+        embed: Tensor,
+        lm_head: Tensor,
+    ) -> Result<Self, HeadError> {
+        let (kind, device) = (ckpt.kind(), ckpt.device());
+        let embed = embed.detach().to_device(device).to_kind(kind);
+        let lm_head = lm_head.detach().to_device(device).to_kind(kind);
+        check_shared_matrices(&config, &embed, &lm_head)?;
+        let prefix = weight_prefix(ckpt)?;
         let c = &config;
         let taps = c.target_layer_ids.len() as i64;
-        let fc = Linear::load(&mut ckpt, &format!("{prefix}fc"), taps * c.hidden_size, c.hidden_size, false)?;
+        let fc = Linear::load(ckpt, &format!("{prefix}fc"), taps * c.hidden_size, c.hidden_size, false)?;
         let norm_of = |ckpt: &mut Checkpoint, name: &str| {
             RmsNorm::load(ckpt, &format!("{prefix}{name}"), c.hidden_size, c.rms_norm_eps)
         };
-        let hidden_norm = norm_of(&mut ckpt, "hidden_norm")?;
-        let norm = norm_of(&mut ckpt, "norm")?;
+        let hidden_norm = norm_of(ckpt, "hidden_norm")?;
+        let norm = norm_of(ckpt, "norm")?;
         let layers = (0..c.num_layers)
-            .map(|i| HeadLayer::load(&mut ckpt, &format!("{prefix}layers.{i}"), c))
+            .map(|i| HeadLayer::load(ckpt, &format!("{prefix}layers.{i}"), c))
             .collect::<Result<Vec<_>, _>>()?;
         let unused = ckpt.remaining();
         if !unused.is_empty() {
@@ -404,6 +416,44 @@ impl DraftHead {
         cache.advance(rows as usize);
         let out = self.norm.forward(&hidden.narrow(0, 1, block - 1));
         self.logits(&out)
+    }
+
+    /// Teacher-forced training pass over one row. `context`: (S, taps·hidden) tap states of the
+    /// row's positions 0..S; one block per anchor a: `[token at a, MASK × (B−1)]` at positions
+    /// a..a+B−1, seeing the context rows strictly before a and its own block (bidirectionally),
+    /// as at inference. Returns the draft logits (anchors, B−1, vocab) for positions a+1..a+B−1.
+    pub fn forward_train(&self, context: &Tensor, anchors: &[i64], anchor_tokens: &[i64]) -> Tensor {
+        let block = self.config.block_size as i64;
+        let rows = context.size()[0];
+        let count = anchors.len() as i64;
+        let ctx = self.hidden_norm.forward(&self.fc.forward(&context.to_kind(self.kind)));
+        let mut ids = Vec::with_capacity((count * block) as usize);
+        let mut positions: Vec<i64> = (0..rows).collect();
+        for (&a, &token) in anchors.iter().zip(anchor_tokens) {
+            ids.push(token);
+            ids.extend(std::iter::repeat_n(self.config.mask_token_id, block as usize - 1));
+            positions.extend(a..a + block);
+        }
+        let ids = Tensor::from_slice(&ids).to_device(self.device);
+        let mut hidden = self.embed.index_select(0, &ids);
+        if self.config.input_embedding_scale != 1.0 {
+            hidden *= self.config.input_embedding_scale;
+        }
+        let (cos, sin) = self.rotary_at(&positions);
+        let mask = training_mask(anchors, rows, block, self.kind, self.device);
+        for layer in &self.layers {
+            hidden = layer.forward_masked(&hidden, &ctx, &cos, &sin, &mask);
+        }
+        let out = self.norm.forward(&hidden).view([count, block, -1]).narrow(1, 1, block - 1);
+        self.logits(&out)
+    }
+
+    /// cos and sin (n, head_dim) for arbitrary 1-D positions.
+    fn rotary_at(&self, positions: &[i64]) -> (Tensor, Tensor) {
+        let positions = Tensor::from_slice(positions).to_device(self.device).to_kind(Kind::Float);
+        let freqs = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0);
+        let angles = Tensor::cat(&[&freqs, &freqs], -1);
+        (angles.cos().to_kind(self.kind), angles.sin().to_kind(self.kind))
     }
 
     /// Target embedding of `[root, MASK × (B−1)]`, (B, hidden).
@@ -587,6 +637,23 @@ impl HeadLayer {
     }
 }
 
+impl HeadLayer {
+    /// Training variant of `forward`: no cache, an explicit mask; cos/sin cover ctx then block rows.
+    fn forward_masked(
+        &self,
+        hidden: &Tensor,
+        ctx: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+    ) -> Tensor {
+        let x = self.input_layernorm.forward(hidden);
+        let (q, k, v) = self.attn.project(&x, ctx, cos, sin);
+        let h = hidden + self.attn.attend(&q, &k, &v, Some(mask));
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
+    }
+}
+
 impl HeadAttention {
     fn load(ckpt: &mut Checkpoint, prefix: &str, c: &DraftHeadConfig) -> Result<Self, WeightsError> {
         let q_dim = c.num_heads * c.head_dim;
@@ -622,26 +689,38 @@ impl HeadAttention {
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
+        let (q, k, v) = self.project(x, ctx, cos, sin);
+        let (keys, values) = cache.write(layer, &k, &v);
+        self.attend(&q, &keys, &values, None)
+    }
+
+    /// q (heads, B, hd) from the block rows; k, v (kv_heads, C+B, hd) from [ctx ; x]; q/k normed
+    /// per head and rotated (queries at the last B positions of cos/sin).
+    fn project(&self, x: &Tensor, ctx: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
         let block = x.size()[0];
         let rows = ctx.size()[0] + block;
         let split_heads = |t: Tensor, n: i64, count: i64| t.view([n, count, self.head_dim]);
         let q = split_heads(self.q_proj.forward(x), block, self.num_heads);
-        let q = self.q_norm.forward(&q).transpose(0, 1); // (heads, B, hd)
+        let q = self.q_norm.forward(&q).transpose(0, 1);
         let kv_input = Tensor::cat(&[ctx, x], 0);
         let k = split_heads(self.k_proj.forward(&kv_input), rows, self.num_kv_heads);
-        let k = self.k_norm.forward(&k).transpose(0, 1); // (kv_heads, C+B, hd)
+        let k = self.k_norm.forward(&k).transpose(0, 1);
         let v = split_heads(self.v_proj.forward(&kv_input), rows, self.num_kv_heads).transpose(0, 1);
-        // Queries sit at the last B positions; keys at all C+B.
         let q_cos = cos.narrow(0, rows - block, block).unsqueeze(0);
         let q_sin = sin.narrow(0, rows - block, block).unsqueeze(0);
         let q = apply_rotary(&q, &q_cos, &q_sin);
         let k = apply_rotary(&k, &cos.unsqueeze(0), &sin.unsqueeze(0));
-        let (keys, values) = cache.write(layer, &k, &v);
+        (q, k, v)
+    }
+
+    /// Attention of q over keys/values (no mask: the block sees everything), output projection.
+    fn attend(&self, q: &Tensor, keys: &Tensor, values: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let block = q.size()[1];
         let out = Tensor::scaled_dot_product_attention(
             &q.unsqueeze(0),
             &keys.unsqueeze(0),
             &values.unsqueeze(0),
-            None::<Tensor>,
+            mask.map(|m| m.view([1, 1, block, -1])),
             0.0,
             false,
             None,
@@ -671,6 +750,27 @@ impl HeadMlp {
         let gate = self.activation.apply(&self.gate_proj.forward(x));
         self.down_proj.forward(&(gate * self.up_proj.forward(x)))
     }
+}
+
+/// Additive mask (anchors·B, S + anchors·B) of a training row: block b's rows see the context
+/// columns before its anchor and the B columns of their own block.
+fn training_mask(anchors: &[i64], rows: i64, block: i64, kind: Kind, device: Device) -> Tensor {
+    let count = anchors.len() as i64;
+    let width = rows + count * block;
+    let mut mask = vec![f32::NEG_INFINITY; (count * block * width) as usize];
+    for (b, &anchor) in anchors.iter().enumerate() {
+        let b = b as i64;
+        for j in 0..block {
+            let row = (b * block + j) * width;
+            for col in 0..anchor.min(rows) {
+                mask[(row + col) as usize] = 0.0;
+            }
+            for col in 0..block {
+                mask[(row + rows + b * block + col) as usize] = 0.0;
+            }
+        }
+    }
+    Tensor::from_slice(&mask).view([count * block, width]).to_device(device).to_kind(kind)
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value, HeadError> {

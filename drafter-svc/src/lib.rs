@@ -11,4 +11,5 @@ pub mod pld;
 pub mod service;
 pub mod session;
 pub mod testing;
+pub mod train;
 pub mod tree;

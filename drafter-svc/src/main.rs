@@ -28,6 +28,8 @@ enum Command {
     Serve(ServeArgs),
     /// Write a randomly initialized draft head for a target (a starting point for training).
     Init(InitArgs),
+    /// Train a draft head on the target's own states (CPU or CUDA).
+    Train(TrainArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -108,6 +110,60 @@ struct InitArgs {
     seed: u64,
 }
 
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// Target model directory.
+    #[arg(long)]
+    target: PathBuf,
+    /// Output head directory (config.json, model.safetensors, train_state.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// Start from this head (default: a fresh one, see --layers / --taps).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Training prompts: `toyworld` or a JSON-lines file of {"prompt", "image"?}.
+    #[arg(long, default_value = "toyworld")]
+    data: String,
+    #[arg(long, default_value_t = 2000)]
+    rows: usize,
+    #[arg(long, default_value_t = 50)]
+    held_out_rows: usize,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    #[arg(long, default_value_t = 3000)]
+    steps: usize,
+    /// Blocks sampled per row and step.
+    #[arg(long, default_value_t = 16)]
+    anchors: usize,
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.04)]
+    warmup_ratio: f64,
+    /// Loss decay over block offsets (7 for B = 16).
+    #[arg(long, default_value_t = 7.0)]
+    gamma: f64,
+    #[arg(long, default_value_t = 500)]
+    eval_every: usize,
+    #[arg(long, default_value_t = 500)]
+    checkpoint_every: usize,
+    /// Continue from the state in --out.
+    #[arg(long)]
+    resume: bool,
+    /// Fresh head: layers, block size, target layers to read.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, value_delimiter = ',')]
+    taps: Option<Vec<usize>>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long)]
+    threads: Option<i32>,
+}
+
 #[tokio::main]
 async fn main() {
     let telemetry = match glance_common::telemetry::init("drafter-svc") {
@@ -120,6 +176,7 @@ async fn main() {
     let result = match Cli::parse().command {
         Command::Serve(args) => serve(args).await,
         Command::Init(args) => init(args),
+        Command::Train(args) => train(args),
     };
     telemetry.shutdown();
     if let Err(e) = result {
@@ -223,6 +280,45 @@ fn init(args: InitArgs) -> Result<(), String> {
     drafter_svc::init::write_random_head(&args.target, &args.out, &spec).map_err(|e| e.to_string())?;
     println!("wrote a random draft head to {}", args.out.display());
     Ok(())
+}
+
+fn train(args: TrainArgs) -> Result<(), String> {
+    use drafter_svc::train::{DataSource, TrainConfig};
+    if let Some(threads) = args.threads {
+        tch::set_num_threads(threads);
+    }
+    let device = parse_device(&args.device).ok_or_else(|| format!("--device {:?}", args.device))?;
+    let data = match args.data.as_str() {
+        "toyworld" => DataSource::ToyWorld { seed: args.seed },
+        path => DataSource::JsonLines(PathBuf::from(path)),
+    };
+    let fresh = drafter_svc::init::HeadSpec {
+        tap_layers: args.taps.clone(),
+        ..drafter_svc::init::HeadSpec::new(args.layers, args.block_size, args.seed)
+    };
+    let config = TrainConfig {
+        target: args.target,
+        out: args.out,
+        init: args.init,
+        fresh,
+        data,
+        rows: args.rows,
+        held_out_rows: args.held_out_rows,
+        max_new_tokens: args.max_new_tokens,
+        steps: args.steps,
+        anchors: args.anchors,
+        peak_lr: args.lr,
+        warmup_ratio: args.warmup_ratio,
+        gamma: args.gamma,
+        eval_every: args.eval_every,
+        checkpoint_every: args.checkpoint_every,
+        resume: args.resume,
+        seed: args.seed,
+        device,
+    };
+    tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 async fn shutdown_signal() {

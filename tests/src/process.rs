@@ -69,6 +69,17 @@ impl ServiceProcess {
         Self::spawn(command)
     }
 
+    /// Starts `drafter-svc serve --listen ADDR ARGS…` on a fixed address; unlike
+    /// [`ServiceProcess::drafter_at`], metrics stay on when ARGS name `--metrics-listen`.
+    pub fn drafter_listening(addr: &str, args: &[&str]) -> Self {
+        let mut command = Command::new(binary("drafter-svc"));
+        command.args(["serve", "--listen", addr]).args(args);
+        if !args.contains(&"--metrics-listen") {
+            command.args(["--metrics-listen", "off"]);
+        }
+        Self::spawn(command)
+    }
+
     /// `127.0.0.1:PORT` of the service.
     pub fn addr(&self) -> &str {
         self.url.trim_start_matches("http://")

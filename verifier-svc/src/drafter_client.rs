@@ -1,7 +1,25 @@
 //! The verifier's side of the internal Drafter protocol: a handshake that refuses a drafter built
 //! for another target, one bidirectional stream per generation, a deadline on every round, and
 //! reconnection with backoff. Every failure turns into "no tree this round", never a lost request.
+//!
+//! The drafter URL may name a pool: a Kubernetes headless Service is one DNS name resolving to
+//! every ready drafter pod. The host is resolved to all its addresses, each pod's handshake is
+//! checked on its own, and the pods that pass are balanced by one `Channel` (tonic's
+//! power-of-two-choices balancer; tonic reports every connection's load as 0, so in effect a pod
+//! is drawn at random for each new stream). A Draft stream is one HTTP/2 stream on one
+//! connection, so a session stays on its pod for the whole generation (the pod holds its context
+//! and draft cache); only new sessions go elsewhere. The name is resolved again every
+//! [`RE_RESOLVE_INTERVAL`]: new pods join once their handshake passes, vanished ones leave (their
+//! open streams finish on their own connections). A pod that dies while still resolving fails the
+//! streams pinned to it; the drafter is then marked failed and reconnected, which re-checks every
+//! pod and leaves the dead one out until it answers again.
+//!
+//! Tests on one host, where no name resolves to several loopback addresses, set
+//! `GLANCE_DRAFTER_RESOLVE=NAME=IP[,IP...]` (like curl's `--resolve`): NAME then resolves to those
+//! addresses, with the URL's port, instead of asking the system resolver.
 
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,7 +28,8 @@ use glance_proto::v1::drafter_client::DrafterClient;
 use tch::Kind;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::channel::Change;
+use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, DraftTree};
 
@@ -18,8 +37,18 @@ use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, 
 const MAX_CHUNK_BYTES: usize = 4 << 20;
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// How often the drafter's host name is resolved again to follow the pool's pods.
+pub const RE_RESOLVE_INTERVAL: Duration = Duration::from_secs(5);
+/// A pod whose handshake takes longer is left out of the pool: it would not meet round deadlines,
+/// and a reconnect (bounded at 2 s) must not wait on it.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Test-only resolver override, `NAME=IP[,IP...]`.
+pub const RESOLVE_OVERRIDE_ENV: &str = "GLANCE_DRAFTER_RESOLVE";
+/// Pool changes queued for the balancer.
+const CHANGES_CAPACITY: usize = 64;
+
 /// Why a drafter cannot serve this verifier.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum DrafterError {
     #[error("drafter at {url} is unreachable: {reason}")]
     Unreachable { url: String, reason: String },
@@ -89,11 +118,16 @@ impl RemoteDrafter {
     }
 
     /// Connects and checks the handshake now (start-up): a mismatch is an error the caller
-    /// reports before serving.
+    /// reports before serving, also when only one pod of the pool is mismatched (a misdeployed
+    /// pool should stop new verifiers loudly; running ones just leave that pod out).
     pub async fn connect_now(&self) -> Result<DrafterInfo, DrafterError> {
-        let (client, info) = connect(&self.url, &self.target).await?;
+        let pool = connect(&self.url, &self.target).await?;
+        if let Some(refused) = pool.refused.into_iter().next() {
+            return Err(refused);
+        }
+        let info = pool.info;
         let mut state = self.state.lock().expect("drafter state lock");
-        state.client = Some((client, info.clone()));
+        state.client = Some((pool.client, info.clone()));
         state.known = Some(info.clone());
         state.backoff = MIN_BACKOFF;
         Ok(info)
@@ -113,8 +147,12 @@ impl RemoteDrafter {
             tokio::time::timeout(Duration::from_secs(2), connect(&self.url, &self.target)).await
         });
         match attempt {
-            Ok(Ok(connected)) => {
+            Ok(Ok(pool)) => {
                 tracing::info!(url = %self.url, "drafter connected");
+                for refused in &pool.refused {
+                    tracing::warn!(error = %refused, "drafter pod left out of the pool");
+                }
+                let connected = (pool.client, pool.info);
                 state.backoff = MIN_BACKOFF;
                 state.client = Some(connected.clone());
                 state.known = Some(connected.1.clone());
@@ -132,6 +170,15 @@ impl RemoteDrafter {
                 None
             }
         }
+    }
+
+    /// A stream's error: FAILED_PRECONDITION means a pod refused this target (a mismatch the
+    /// pool's handshakes did not catch); either way the pool is rebuilt, re-checking every pod.
+    fn stream_failed(&self, status: &tonic::Status) {
+        if status.code() == tonic::Code::FailedPrecondition {
+            tracing::warn!(url = %self.url, reason = status.message(), "drafter pod does not fit this target");
+        }
+        self.mark_failed();
     }
 
     /// Forgets the connection after a failure, so the next session reconnects.
@@ -170,29 +217,260 @@ impl RemoteDrafter {
     }
 }
 
-async fn connect(
+/// A freshly connected pool: the balanced client, the handshake its pods share, and the pods
+/// refused for not fitting (reported, not fatal, except at start-up).
+struct Pool {
+    client: DrafterClient<Channel>,
+    info: DrafterInfo,
+    refused: Vec<DrafterError>,
+}
+
+/// Resolves the URL's host, checks every pod's handshake, and balances over the pods that pass;
+/// a background task follows the name from then on.
+async fn connect(url: &str, target: &TargetDescription) -> Result<Pool, DrafterError> {
+    let unreachable = |reason: String| DrafterError::Unreachable { url: url.to_string(), reason };
+    let address = PoolAddress::parse(url).map_err(unreachable)?;
+    let resolved = address.resolve().await.map_err(unreachable)?;
+    let probes = probe_all(&address, &resolved, target).await;
+    let info = reference_handshake(url, &probes)?;
+    let (members, refused) = admit(&info, probes);
+    let (channel, changes) = Channel::balance_channel(CHANGES_CAPACITY);
+    for &addr in &members {
+        let endpoint = address.endpoint(addr).map_err(unreachable)?;
+        changes.send(Change::Insert(addr, endpoint)).await.map_err(|e| unreachable(e.to_string()))?;
+    }
+    tokio::spawn(keep_resolving(
+        address,
+        target.clone(),
+        info.clone(),
+        members.into_iter().collect(),
+        changes,
+    ));
+    Ok(Pool { client: drafter_client(channel), info, refused })
+}
+
+fn drafter_client(channel: Channel) -> DrafterClient<Channel> {
+    DrafterClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// The drafter URL, split into what resolving and dialing each pod needs.
+struct PoolAddress {
+    url: String,
+    scheme: String,
+    /// Requests carry the URL's authority (the service name), not a pod's address.
+    origin: Uri,
+    /// As written in the URL (`[::1]` for an IPv6 literal).
+    host: String,
+    port: u16,
+    /// Addresses from [`RESOLVE_OVERRIDE_ENV`] when it names this host.
+    pinned: Option<Vec<IpAddr>>,
+}
+
+impl PoolAddress {
+    fn parse(url: &str) -> Result<Self, String> {
+        let origin: Uri = url.parse().map_err(|e| format!("invalid URL: {e}"))?;
+        let host = origin.host().ok_or("the URL names no host")?.to_string();
+        let scheme = origin.scheme_str().unwrap_or("http").to_string();
+        let port = origin.port_u16().unwrap_or(if scheme == "https" { 443 } else { 80 });
+        let pinned = match std::env::var(RESOLVE_OVERRIDE_ENV) {
+            Ok(spec) => parse_resolve_override(&spec, &host)?,
+            Err(_) => None,
+        };
+        Ok(Self { url: url.to_string(), scheme, origin, host, port, pinned })
+    }
+
+    /// Every address of the host; an IP literal is its own single address.
+    async fn resolve(&self) -> Result<BTreeSet<SocketAddr>, String> {
+        if let Some(ips) = &self.pinned {
+            return Ok(ips.iter().map(|&ip| SocketAddr::new(ip, self.port)).collect());
+        }
+        let found = tokio::net::lookup_host(format!("{}:{}", self.host, self.port))
+            .await
+            .map_err(|e| format!("cannot resolve {}: {e}", self.host))?;
+        Ok(found.collect())
+    }
+
+    /// One pod's endpoint, with the timeouts every drafter connection has.
+    fn endpoint(&self, addr: SocketAddr) -> Result<Endpoint, String> {
+        let endpoint =
+            Endpoint::from_shared(format!("{}://{addr}", self.scheme)).map_err(|e| e.to_string())?;
+        Ok(endpoint.origin(self.origin.clone()).connect_timeout(Duration::from_secs(2)).tcp_nodelay(true))
+    }
+
+    /// How errors name one pod.
+    fn pod_name(&self, addr: SocketAddr) -> String {
+        format!("{} ({addr})", self.url)
+    }
+}
+
+/// `NAME=IP[,IP...]`: the addresses when NAME is `host`, None for another host.
+fn parse_resolve_override(spec: &str, host: &str) -> Result<Option<Vec<IpAddr>>, String> {
+    let bad = |why: &str| format!("{RESOLVE_OVERRIDE_ENV}={spec:?}: {why}; expected NAME=IP[,IP...]");
+    let (name, ips) = spec.split_once('=').ok_or_else(|| bad("no '='"))?;
+    if !name.trim().eq_ignore_ascii_case(host) {
+        return Ok(None);
+    }
+    let ips: Vec<IpAddr> = ips
+        .split(',')
+        .map(|ip| ip.trim().parse().map_err(|_| bad(&format!("{ip:?} is not an IP address"))))
+        .collect::<Result<_, _>>()?;
+    Ok(Some(ips))
+}
+
+type Probe = (SocketAddr, Result<DrafterInfo, DrafterError>);
+
+/// Every pod's own handshake, all at once.
+async fn probe_all<'a>(
+    address: &PoolAddress,
+    addrs: impl IntoIterator<Item = &'a SocketAddr>,
+    target: &TargetDescription,
+) -> Vec<Probe> {
+    let probes = addrs.into_iter().map(|&addr| async move { (addr, probe(address, addr, target).await) });
+    futures::future::join_all(probes).await
+}
+
+/// Connects to one pod directly (not through the balancer) and checks its handshake.
+async fn probe(
+    address: &PoolAddress,
+    addr: SocketAddr,
+    target: &TargetDescription,
+) -> Result<DrafterInfo, DrafterError> {
+    let name = address.pod_name(addr);
+    let unreachable = |reason: String| DrafterError::Unreachable { url: name.clone(), reason };
+    let endpoint = address.endpoint(addr).map_err(unreachable)?;
+    let answered = tokio::time::timeout(PROBE_TIMEOUT, async {
+        let channel = endpoint.connect().await.map_err(|e| unreachable(e.to_string()))?;
+        handshake(&mut drafter_client(channel), &name, target).await
+    })
+    .await;
+    answered.unwrap_or_else(|_| Err(unreachable(format!("no handshake within {PROBE_TIMEOUT:?}"))))
+}
+
+async fn handshake(
+    client: &mut DrafterClient<Channel>,
     url: &str,
     target: &TargetDescription,
-) -> Result<(DrafterClient<Channel>, DrafterInfo), DrafterError> {
-    let unreachable = |reason: String| DrafterError::Unreachable { url: url.to_string(), reason };
-    let endpoint = Endpoint::from_shared(url.to_string())
-        .map_err(|e| unreachable(e.to_string()))?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true);
-    let channel = endpoint.connect().await.map_err(|e| unreachable(e.to_string()))?;
-    let mut client = DrafterClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+) -> Result<DrafterInfo, DrafterError> {
     let request = pb::HandshakeRequest { target_fingerprint: target.fingerprint.clone() };
     let handshake = match client.handshake(request).await {
         Ok(r) => r.into_inner(),
         Err(status) if status.code() == tonic::Code::FailedPrecondition => {
             return Err(DrafterError::Mismatch { url: url.to_string(), reason: status.message().to_string() })
         }
-        Err(status) => return Err(unreachable(status.to_string())),
+        Err(status) => {
+            return Err(DrafterError::Unreachable { url: url.to_string(), reason: status.to_string() })
+        }
     };
-    let info = check_handshake(url, handshake, target)?;
-    Ok((client, info))
+    check_handshake(url, handshake, target)
+}
+
+/// The handshake the pool is built around: the first pod (in address order) that fits the
+/// target. With none, the pool's error: a mismatch if any pod answered one, else unreachable.
+fn reference_handshake(url: &str, probes: &[Probe]) -> Result<DrafterInfo, DrafterError> {
+    let mut mismatch = None;
+    let mut reasons = Vec::new();
+    for (_, probe) in probes {
+        match probe {
+            Ok(info) => return Ok(info.clone()),
+            Err(e @ DrafterError::Mismatch { .. }) => mismatch = mismatch.or(Some(e.clone())),
+            Err(e) => reasons.push(e.to_string()),
+        }
+    }
+    if let Some(mismatch) = mismatch {
+        return Err(mismatch);
+    }
+    let reason =
+        if reasons.is_empty() { "the name resolved to no address".to_string() } else { reasons.join("; ") };
+    Err(DrafterError::Unreachable { url: url.to_string(), reason })
+}
+
+/// Splits probed pods into members (they fit `reference`: a generation's taps and block size
+/// must not depend on which pod its stream lands on) and refused ones. Unreachable pods are
+/// neither: they are probed again at the next resolution.
+fn admit(reference: &DrafterInfo, probes: Vec<Probe>) -> (Vec<SocketAddr>, Vec<DrafterError>) {
+    let mut members = Vec::new();
+    let mut refused = Vec::new();
+    for (addr, probe) in probes {
+        match probe {
+            Ok(info) => match differs_from(reference, &info) {
+                None => members.push(addr),
+                Some(reason) => refused.push(DrafterError::Mismatch { url: addr.to_string(), reason }),
+            },
+            Err(e @ DrafterError::Mismatch { .. }) => refused.push(e),
+            Err(e) => tracing::debug!(error = %e, "drafter pod not reachable; not in the pool for now"),
+        }
+    }
+    (members, refused)
+}
+
+/// Why a pod's handshake does not fit the pool's, if it does not.
+fn differs_from(reference: &DrafterInfo, info: &DrafterInfo) -> Option<String> {
+    if info.tap_layers != reference.tap_layers {
+        return Some(format!("tap layers {:?} vs the pool's {:?}", info.tap_layers, reference.tap_layers));
+    }
+    let (ours, theirs) = (reference.handshake.block_size, info.handshake.block_size);
+    (ours != theirs).then(|| format!("block size {theirs} vs the pool's {ours}"))
+}
+
+/// Follows the pool's name until the balanced channel is dropped: vanished pods leave, new ones
+/// join once their handshake fits. A failed resolution keeps the pool as it is.
+async fn keep_resolving(
+    address: PoolAddress,
+    target: TargetDescription,
+    reference: DrafterInfo,
+    mut members: BTreeSet<SocketAddr>,
+    changes: mpsc::Sender<Change<SocketAddr, Endpoint>>,
+) {
+    loop {
+        tokio::select! {
+            _ = changes.closed() => return,
+            _ = tokio::time::sleep(RE_RESOLVE_INTERVAL) => {}
+        }
+        let resolved = match address.resolve().await {
+            Ok(resolved) => resolved,
+            Err(reason) => {
+                tracing::warn!(%reason, "drafter pool not re-resolved; keeping its pods");
+                continue;
+            }
+        };
+        let updated = update_members(&address, &target, &reference, &mut members, &resolved, &changes).await;
+        if updated.is_err() {
+            return;
+        }
+    }
+}
+
+/// The balancer is gone: the channel was dropped.
+struct PoolClosed;
+
+async fn update_members(
+    address: &PoolAddress,
+    target: &TargetDescription,
+    reference: &DrafterInfo,
+    members: &mut BTreeSet<SocketAddr>,
+    resolved: &BTreeSet<SocketAddr>,
+    changes: &mpsc::Sender<Change<SocketAddr, Endpoint>>,
+) -> Result<(), PoolClosed> {
+    let vanished: Vec<SocketAddr> = members.difference(resolved).copied().collect();
+    for addr in vanished {
+        changes.send(Change::Remove(addr)).await.map_err(|_| PoolClosed)?;
+        members.remove(&addr);
+        tracing::info!(%addr, "drafter pod left the pool");
+    }
+    let newcomers: Vec<SocketAddr> = resolved.difference(members).copied().collect();
+    let (joining, refused) = admit(reference, probe_all(address, &newcomers, target).await);
+    for e in refused {
+        tracing::warn!(error = %e, "drafter pod left out of the pool");
+    }
+    for addr in joining {
+        let Ok(endpoint) = address.endpoint(addr) else { continue };
+        changes.send(Change::Insert(addr, endpoint)).await.map_err(|_| PoolClosed)?;
+        members.insert(addr);
+        tracing::info!(%addr, "drafter pod joined the pool");
+    }
+    Ok(())
 }
 
 /// Refuses a drafter whose vocabulary, width, taps or target fingerprint don't fit.
@@ -280,7 +558,11 @@ impl DraftProvider for RemoteProvider {
                 bytes_sent: 0,
                 wire_kind: info.wire_kind,
             })),
-            _ => {
+            Ok(Err(status)) => {
+                self.drafter.stream_failed(&status);
+                None
+            }
+            Err(_) => {
                 self.drafter.mark_failed();
                 None
             }
@@ -359,18 +641,18 @@ impl DraftSession for RemoteSession {
         let reply = self.drafter.runtime.block_on(async move {
             tokio::time::timeout(deadline, async move {
                 for message in messages {
-                    outbound.send(message).await.map_err(|_| "stream closed".to_string())?;
+                    outbound.send(message).await.map_err(|_| tonic::Status::unavailable("stream closed"))?;
                 }
-                inbound.message().await.map_err(|s| s.to_string())?.ok_or_else(|| "stream ended".to_string())
+                inbound.message().await?.ok_or_else(|| tonic::Status::unavailable("stream ended"))
             })
             .await
         });
         self.bytes_sent += sent;
         let response = match reply {
             Ok(Ok(response)) => response,
-            Ok(Err(reason)) => {
-                self.drafter.mark_failed();
-                return Err(DraftFailure::Unavailable(reason));
+            Ok(Err(status)) => {
+                self.drafter.stream_failed(&status);
+                return Err(DraftFailure::Unavailable(status.message().to_string()));
             }
             // A late answer would desynchronize the stream: this session is over.
             Err(_) => return Err(DraftFailure::Timeout),
@@ -386,5 +668,62 @@ impl DraftSession for RemoteSession {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes_sent
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(taps: &[u32], block_size: u32) -> DrafterInfo {
+        let handshake = pb::HandshakeResponse { tap_layers: taps.to_vec(), block_size, ..Default::default() };
+        DrafterInfo {
+            handshake,
+            tap_layers: taps.iter().map(|&l| l as usize).collect(),
+            wire_kind: Kind::Float,
+        }
+    }
+
+    fn addr(last: u8) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, last], 50061))
+    }
+
+    #[test]
+    fn the_resolve_override_applies_to_its_name_only() {
+        let spec = "drafters.test=127.0.0.2, 127.0.0.3";
+        let ips = parse_resolve_override(spec, "Drafters.test").unwrap().unwrap();
+        assert_eq!(ips, [addr(2).ip(), addr(3).ip()]);
+        assert_eq!(parse_resolve_override(spec, "other").unwrap(), None);
+        assert!(parse_resolve_override("drafters.test", "drafters.test").is_err());
+        assert!(parse_resolve_override("drafters.test=127.0.0.2,pod-b", "drafters.test").is_err());
+    }
+
+    #[test]
+    fn pods_that_differ_from_the_pool_are_refused_and_unreachable_ones_skipped() {
+        let reference = info(&[0, 1], 16);
+        let unreachable = DrafterError::Unreachable { url: "pod-d".into(), reason: "refused".into() };
+        let mismatch = DrafterError::Mismatch { url: "pod-e".into(), reason: "fingerprint".into() };
+        let probes = vec![
+            (addr(2), Ok(info(&[0, 1], 16))),
+            (addr(3), Ok(info(&[0, 2], 16))),
+            (addr(4), Ok(info(&[0, 1], 8))),
+            (addr(5), Err(unreachable)),
+            (addr(6), Err(mismatch)),
+        ];
+        let (members, refused) = admit(&reference, probes);
+        assert_eq!(members, [addr(2)]);
+        assert_eq!(refused.len(), 3);
+        assert!(refused.iter().all(|e| matches!(e, DrafterError::Mismatch { .. })));
+    }
+
+    #[test]
+    fn a_pool_without_a_fitting_pod_reports_a_mismatch_before_unreachability() {
+        let unreachable = || DrafterError::Unreachable { url: "pod".into(), reason: "refused".into() };
+        let mismatch = DrafterError::Mismatch { url: "pod".into(), reason: "fingerprint".into() };
+        let probes = vec![(addr(2), Err(unreachable())), (addr(3), Err(mismatch))];
+        assert!(matches!(reference_handshake("u", &probes), Err(DrafterError::Mismatch { .. })));
+        let probes = vec![(addr(2), Err(unreachable())), (addr(3), Err(unreachable()))];
+        assert!(matches!(reference_handshake("u", &probes), Err(DrafterError::Unreachable { .. })));
+        assert!(matches!(reference_handshake("u", &[]), Err(DrafterError::Unreachable { .. })));
     }
 }

@@ -86,23 +86,31 @@ impl TargetModel {
     /// architecture needs must be present with the configured shape.
     pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self, ModelError> {
         let config = read_json(&dir.join("config.json"))?;
-        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
         let mut ckpt = Checkpoint::open(dir, kind, device)?;
-        let (family, ids, text, vision) = match model_type {
-            "qwen3_vl" => {
-                let (ids, text, vision) = qwen3_vl::load(&config, &mut ckpt)?;
-                (Family::Qwen3Vl, ids, text, VisionTower::Qwen3Vl(vision))
-            }
-            "qwen2_5_vl" => {
-                let (ids, text, vision) = qwen2_5_vl::load(&config, &mut ckpt)?;
-                (Family::Qwen25Vl, ids, text, VisionTower::Qwen25Vl(vision))
-            }
-            other => return Err(ModelError::UnsupportedModel(other.to_string())),
-        };
+        let model = Self::from_checkpoint(&config, &mut ckpt)?;
         let unused = ckpt.remaining();
         if !unused.is_empty() {
             tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
         }
+        Ok(model)
+    }
+
+    /// Builds the model a parsed `config.json` describes from `ckpt` (stored, fresh or trainable
+    /// weights).
+    pub fn from_checkpoint(config: &Value, ckpt: &mut Checkpoint) -> Result<Self, ModelError> {
+        let (kind, device) = (ckpt.kind(), ckpt.device());
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
+        let (family, ids, text, vision) = match model_type {
+            "qwen3_vl" => {
+                let (ids, text, vision) = qwen3_vl::load(config, ckpt)?;
+                (Family::Qwen3Vl, ids, text, VisionTower::Qwen3Vl(vision))
+            }
+            "qwen2_5_vl" => {
+                let (ids, text, vision) = qwen2_5_vl::load(config, ckpt)?;
+                (Family::Qwen25Vl, ids, text, VisionTower::Qwen25Vl(vision))
+            }
+            other => return Err(ModelError::UnsupportedModel(other.to_string())),
+        };
         Ok(Self { family, ids, text, vision, kind, device })
     }
 

@@ -54,6 +54,7 @@ mod lexicon;
 mod rng;
 mod sign;
 mod story;
+pub mod target;
 pub mod tokenizer;
 
 use std::fmt;

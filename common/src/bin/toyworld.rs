@@ -1,0 +1,82 @@
+//! `toyworld`: the toy world's command line — train the tiny target from its seed, evaluate a
+//! trained one, or dump samples to look at.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use glance_common::input::{PromptBuilder, PromptOptions};
+use glance_common::models::TargetModel;
+use glance_common::toyworld::target::{evaluate, format_scores, train_target, TargetSpec, TrainOptions};
+
+#[derive(Parser)]
+#[command(name = "toyworld", about = "The toy world: train and evaluate the tiny grounded target")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train the toy target from scratch into --out (tokenizer, config, bf16 weights).
+    TrainTarget {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 4000)]
+        steps: usize,
+        /// Samples packed per step.
+        #[arg(long, default_value_t = 8)]
+        pack: usize,
+        #[arg(long, default_value_t = 2e-3)]
+        lr: f64,
+        #[arg(long, default_value_t = 500)]
+        eval_every: usize,
+        #[arg(long, default_value_t = 32)]
+        eval_samples: u64,
+        #[arg(long)]
+        threads: Option<i32>,
+    },
+    /// Held-out exact match per task of a trained target.
+    Eval {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 100)]
+        samples: u64,
+    },
+}
+
+fn main() {
+    let result = match Cli::parse().command {
+        Command::TrainTarget { out, seed, steps, pack, lr, eval_every, eval_samples, threads } => {
+            let options = TrainOptions {
+                seed,
+                steps,
+                pack,
+                peak_lr: lr,
+                eval_every,
+                eval_samples,
+                threads,
+                ..TrainOptions::default()
+            };
+            train_target(&out, &TargetSpec::default(), &options, |line| println!("{line}"))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+        Command::Eval { model, seed, samples } => eval(&model, seed, samples),
+    };
+    if let Err(e) = result {
+        eprintln!("toyworld: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn eval(dir: &std::path::Path, seed: u64, samples: u64) -> Result<(), String> {
+    let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).map_err(|e| e.to_string())?;
+    let model = TargetModel::load(dir, tch::Kind::Float, tch::Device::Cpu).map_err(|e| e.to_string())?;
+    let scores = evaluate(&model, &prompts, seed, samples);
+    println!("held-out exact match ({samples} per task): {}", format_scores(&scores));
+    Ok(())
+}

@@ -1,0 +1,399 @@
+//! The toy world's target: a tiny Qwen3-VL-architecture model trained from scratch (Rust/tch,
+//! AdamW) on the toy tasks, written as an unmodified Hugging Face model directory that the loader,
+//! both services and transformers read.
+//!
+//! Training packs several samples into one sequence (block-diagonal causal mask, positions
+//! restarting per sample), so each step runs one forward/backward over a few hundred tokens.
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+use tch::{Device, Kind, Tensor};
+
+use super::{sample, tokenizer, Sample, Split, Task};
+use crate::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
+use crate::input::{Prompt, PromptBuilder, PromptOptions};
+use crate::models::{LogitRows, StepInput, TargetModel};
+use crate::train::{cosine_lr, cross_entropy, AdamW};
+use crate::weights::{Checkpoint, RandomInit};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("model: {0}")]
+    Model(#[from] crate::models::ModelError),
+    #[error("input: {0}")]
+    Input(String),
+    #[error("writing {path}: {reason}")]
+    Write { path: String, reason: String },
+}
+
+/// Sizes of the toy target.
+#[derive(Clone, Debug)]
+pub struct TargetSpec {
+    pub hidden: i64,
+    pub layers: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
+    pub intermediate: i64,
+    pub mrope_section: [i64; 3],
+    pub vision_hidden: i64,
+    pub vision_depth: i64,
+    pub vision_heads: i64,
+    pub vision_intermediate: i64,
+    pub deepstack: Vec<i64>,
+    /// Learned vision position table side (side² entries, resampled to each image).
+    pub position_side: i64,
+}
+
+impl Default for TargetSpec {
+    fn default() -> Self {
+        Self {
+            hidden: 192,
+            layers: 4,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 48,
+            intermediate: 512,
+            mrope_section: [8, 8, 8],
+            vision_hidden: 128,
+            vision_depth: 4,
+            vision_heads: 4,
+            vision_intermediate: 384,
+            deepstack: vec![1, 2],
+            position_side: 16,
+        }
+    }
+}
+
+/// The Qwen3-VL `config.json` (transformers 5.x layout) of the toy target.
+pub fn config_json(spec: &TargetSpec, vocab_size: i64) -> Value {
+    json!({
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "dtype": "bfloat16",
+        "image_token_id": tokenizer::IMAGE_PAD_ID,
+        "video_token_id": tokenizer::VIDEO_PAD_ID,
+        "vision_start_token_id": tokenizer::VISION_START_ID,
+        "vision_end_token_id": tokenizer::VISION_END_ID,
+        "bos_token_id": tokenizer::ENDOFTEXT_ID,
+        "eos_token_id": tokenizer::IM_END_ID,
+        "pad_token_id": tokenizer::ENDOFTEXT_ID,
+        "tie_word_embeddings": false,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "vocab_size": vocab_size,
+            "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "head_dim": spec.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": spec.mrope_section,
+                "mrope_interleaved": true
+            },
+            "bos_token_id": tokenizer::ENDOFTEXT_ID,
+            "eos_token_id": tokenizer::IM_END_ID,
+            "pad_token_id": tokenizer::ENDOFTEXT_ID
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl_vision",
+            "depth": spec.vision_depth,
+            "hidden_size": spec.vision_hidden,
+            "hidden_act": "gelu_pytorch_tanh",
+            "intermediate_size": spec.vision_intermediate,
+            "num_heads": spec.vision_heads,
+            "in_channels": 3,
+            "patch_size": super::PATCH_SIZE,
+            "spatial_merge_size": super::MERGE_SIZE,
+            "temporal_patch_size": super::TEMPORAL_PATCH_SIZE,
+            "out_hidden_size": spec.hidden,
+            "num_position_embeddings": spec.position_side * spec.position_side,
+            "deepstack_visual_indexes": spec.deepstack,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}
+        }
+    })
+}
+
+/// How to train.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    pub seed: u64,
+    pub steps: usize,
+    /// Samples packed into one sequence per step.
+    pub pack: usize,
+    pub peak_lr: f64,
+    pub warmup: usize,
+    pub weight_decay: f64,
+    /// Held-out samples per task for the periodic evaluation (0: none until the end).
+    pub eval_samples: u64,
+    pub eval_every: usize,
+    pub threads: Option<i32>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            steps: 4000,
+            pack: 8,
+            peak_lr: 2e-3,
+            warmup: 200,
+            weight_decay: 0.01,
+            eval_samples: 32,
+            eval_every: 500,
+            threads: None,
+        }
+    }
+}
+
+/// One sample made into model inputs: prompt (with image) then answer, and where the answer is.
+struct Encoded {
+    prompt: Prompt,
+    answer: Vec<u32>,
+}
+
+fn encode(prompts: &PromptBuilder, sample: &Sample) -> Result<Encoded, TrainError> {
+    let prompt = prompts.build(&sample.messages()).map_err(|e| TrainError::Input(e.to_string()))?;
+    let answer = tokenizer::answer_ids(prompts.tokenizer(), &sample.answer)
+        .map_err(|e| TrainError::Input(e.to_string()))?;
+    Ok(Encoded { prompt, answer })
+}
+
+/// Several samples as one sequence: ids, M-RoPE positions restarting per sample, a
+/// block-diagonal causal mask, all images, and the (row, label) pairs of the answers.
+struct Packed {
+    ids: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+    pixels: Tensor,
+    grids: Vec<[i64; 3]>,
+    label_rows: Tensor,
+    labels: Tensor,
+}
+
+fn pack(samples: &[Encoded]) -> Packed {
+    let (mut ids, mut t, mut h, mut w) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut pixels, mut grids, mut rows, mut labels, mut spans) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for s in samples {
+        let start = ids.len() as i64;
+        let p = &s.prompt;
+        ids.extend(p.input_ids.iter().map(|&i| i as i64));
+        t.extend(&p.positions.t);
+        h.extend(&p.positions.h);
+        w.extend(&p.positions.w);
+        for (k, &token) in s.answer.iter().enumerate() {
+            let stream = (p.input_ids.len() + k) as i64;
+            ids.push(token as i64);
+            for axis in [&mut t, &mut h, &mut w] {
+                axis.push(stream + p.rope_delta);
+            }
+            // The row before each answer token predicts it.
+            rows.push(start + stream - 1);
+            labels.push(token as i64);
+        }
+        for image in &p.images {
+            pixels.extend_from_slice(&image.pixel_values);
+            grids.push(image.grid_thw.map(|g| g as i64));
+        }
+        spans.push((start, ids.len() as i64));
+    }
+    let n = ids.len() as i64;
+    let mut mask = vec![f32::NEG_INFINITY; (n * n) as usize];
+    for (start, end) in spans {
+        for row in start..end {
+            for col in start..=row {
+                mask[(row * n + col) as usize] = 0.0;
+            }
+        }
+    }
+    let patch_dim = (3 * super::TEMPORAL_PATCH_SIZE * super::PATCH_SIZE * super::PATCH_SIZE) as i64;
+    let positions: Vec<i64> = t.into_iter().chain(h).chain(w).collect();
+    Packed {
+        ids: Tensor::from_slice(&ids),
+        positions: Tensor::from_slice(&positions).view([3, n]),
+        mask: Tensor::from_slice(&mask).view([n, n]),
+        pixels: Tensor::from_slice(&pixels).view([-1, patch_dim]),
+        grids,
+        label_rows: Tensor::from_slice(&rows),
+        labels: Tensor::from_slice(&labels),
+    }
+}
+
+/// Mean answer-token cross-entropy of one packed sequence (with gradients).
+fn packed_loss(model: &TargetModel, batch: &Packed) -> Result<Tensor, TrainError> {
+    let vision = model.encode_images(&batch.pixels, &batch.grids);
+    let mut cache = model.new_cache(batch.ids.size()[0] as usize);
+    let step = StepInput {
+        token_ids: &batch.ids,
+        positions: &batch.positions,
+        mask: Some(&batch.mask),
+        vision: Some(&vision),
+        taps: &[],
+        logits: LogitRows::All,
+    };
+    let logits = model.forward(&step, &mut cache)?.logits.expect("logits were requested");
+    Ok(cross_entropy(&logits.index_select(0, &batch.label_rows), &batch.labels, None))
+}
+
+/// Mean answer-token loss of `samples` packed into one sequence (with gradients): what one
+/// training step minimizes.
+pub fn batch_loss(
+    model: &TargetModel,
+    prompts: &PromptBuilder,
+    samples: &[Sample],
+) -> Result<Tensor, TrainError> {
+    let encoded = samples.iter().map(|s| encode(prompts, s)).collect::<Result<Vec<_>, _>>()?;
+    packed_loss(model, &pack(&encoded))
+}
+
+/// A trainable model, its input pipeline and its parameters by checkpoint name.
+pub type Trainable = (TargetModel, PromptBuilder, Vec<(String, Tensor)>);
+
+/// A fresh trainable toy target for `out_dir` (tokenizer and config written there) and its named
+/// parameters.
+pub fn fresh_target(out_dir: &Path, spec: &TargetSpec, seed: u64) -> Result<Trainable, TrainError> {
+    std::fs::create_dir_all(out_dir).map_err(|e| write_err(out_dir, e))?;
+    let toy = tokenizer::train_tokenizer(out_dir, seed).map_err(|e| TrainError::Tokenizer(e.to_string()))?;
+    let vocab = (toy.vocab_size as i64 + 63) / 64 * 64;
+    let config = config_json(spec, vocab);
+    write_json(&out_dir.join("config.json"), &config)?;
+    let prompts = PromptBuilder::from_model_dir(out_dir, PromptOptions::default())
+        .map_err(|e| TrainError::Input(e.to_string()))?;
+    tch::manual_seed(seed as i64);
+    let mut ckpt = Checkpoint::random(RandomInit { std: 0.02 }, Kind::Float, Device::Cpu).into_trainable();
+    let model = TargetModel::from_checkpoint(&config, &mut ckpt)?;
+    let named = ckpt.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    Ok((model, prompts, named))
+}
+
+/// Exact-match rate and mean answer length per task on held-out samples, greedy decoding.
+pub fn evaluate(model: &TargetModel, prompts: &PromptBuilder, seed: u64, per_task: u64) -> Vec<(Task, f64)> {
+    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+    Task::ALL
+        .iter()
+        .map(|&task| {
+            let mut hits = 0;
+            for index in 0..per_task {
+                let s = sample(Split::HeldOut, task, seed, index);
+                if answer_of(model, prompts, &s, &eos).as_deref() == Some(s.answer.as_str()) {
+                    hits += 1;
+                }
+            }
+            (task, hits as f64 / per_task.max(1) as f64)
+        })
+        .collect()
+}
+
+/// The model's greedy answer to a sample.
+pub fn answer_of(model: &TargetModel, prompts: &PromptBuilder, s: &Sample, eos: &[i64]) -> Option<String> {
+    let prompt = prompts.build(&s.messages()).ok()?;
+    let inputs = model_inputs(&prompt);
+    let params = GreedyParams { max_new_tokens: 80, eos_token_ids: eos, context_limit: 4096 };
+    let generation = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?;
+    let ids: Vec<u32> = generation.tokens.iter().map(|&t| t as u32).collect();
+    prompts.decode(&ids, true).ok()
+}
+
+/// Model inputs of a prompt (same layout the verifier uses).
+pub fn model_inputs(prompt: &Prompt) -> ModelInputs {
+    let pixels: Vec<f32> = prompt.images.iter().flat_map(|im| im.pixel_values.iter().copied()).collect();
+    let pixel_values = (!prompt.images.is_empty()).then(|| {
+        let patch_dim = prompt.images[0].patch_dim as i64;
+        Tensor::from_slice(&pixels).view([-1, patch_dim])
+    });
+    ModelInputs {
+        input_ids: prompt.input_ids.iter().map(|&i| i as i64).collect(),
+        positions: [prompt.positions.t.clone(), prompt.positions.h.clone(), prompt.positions.w.clone()],
+        rope_delta: prompt.rope_delta,
+        pixel_values,
+        image_grids: prompt.images.iter().map(|im| im.grid_thw.map(|g| g as i64)).collect(),
+    }
+}
+
+/// Trains the toy target into `out_dir` (tokenizer, config, weights in bf16). Progress lines go to
+/// `log`.
+pub fn train_target(
+    out_dir: &Path,
+    spec: &TargetSpec,
+    options: &TrainOptions,
+    mut log: impl FnMut(&str),
+) -> Result<Vec<(Task, f64)>, TrainError> {
+    if let Some(threads) = options.threads {
+        tch::set_num_threads(threads);
+    }
+    let (model, prompts, named) = fresh_target(out_dir, spec, options.seed)?;
+    let count: i64 = named.iter().map(|(_, t)| t.numel() as i64).sum();
+    log(&format!("toy target: {count} parameters, vocabulary {}", model.text_config().vocab_size));
+    let mut optimizer =
+        AdamW::new(named.iter().map(|(_, t)| t.shallow_clone()).collect(), options.weight_decay);
+    let started = Instant::now();
+    let mut index = 0u64;
+    let mut smoothed = None;
+    for step in 0..options.steps {
+        let batch: Vec<Encoded> = (0..options.pack)
+            .map(|_| {
+                let task = Task::ALL[(index % Task::ALL.len() as u64) as usize];
+                index += 1;
+                encode(&prompts, &sample(Split::Train, task, options.seed, index))
+            })
+            .collect::<Result<_, _>>()?;
+        let loss = packed_loss(&model, &pack(&batch))?;
+        loss.backward();
+        optimizer.clip_grad_norm(1.0);
+        let lr = cosine_lr(step, options.steps, options.warmup, options.peak_lr, 0.05);
+        optimizer.step(lr);
+        let value = loss.double_value(&[]);
+        smoothed = Some(smoothed.map_or(value, |s: f64| 0.95 * s + 0.05 * value));
+        if step % 50 == 0 || step + 1 == options.steps {
+            log(&format!(
+                "step {step:>5}/{} loss {value:.3} (smoothed {:.3}) lr {lr:.2e} {:.0}s",
+                options.steps,
+                smoothed.unwrap_or(value),
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        if options.eval_samples > 0 && options.eval_every > 0 && (step + 1) % options.eval_every == 0 {
+            let scores = evaluate(&model, &prompts, options.seed, options.eval_samples);
+            log(&format!("eval at step {}: {}", step + 1, format_scores(&scores)));
+        }
+    }
+    save_weights(out_dir, &named)?;
+    let scores = evaluate(&model, &prompts, options.seed, options.eval_samples.max(1));
+    log(&format!("final held-out exact match: {}", format_scores(&scores)));
+    Ok(scores)
+}
+
+pub fn format_scores(scores: &[(Task, f64)]) -> String {
+    scores.iter().map(|(t, s)| format!("{} {:.1}%", t.name(), 100.0 * s)).collect::<Vec<_>>().join(", ")
+}
+
+/// `model.safetensors` in bf16 under the checkpoint names.
+fn save_weights(out_dir: &Path, named: &[(String, Tensor)]) -> Result<(), TrainError> {
+    let _no_grad = tch::no_grad_guard();
+    let converted: Vec<(String, Tensor)> =
+        named.iter().map(|(n, t)| (n.clone(), t.detach().to_kind(Kind::BFloat16).contiguous())).collect();
+    let path = out_dir.join("model.safetensors");
+    Tensor::write_safetensors(&converted, &path).map_err(|e| write_err(&path, e))
+}
+
+fn write_json(path: &Path, value: &Value) -> Result<(), TrainError> {
+    let text = serde_json::to_string_pretty(value).expect("json");
+    std::fs::write(path, text + "\n").map_err(|e| write_err(path, e))
+}
+
+fn write_err(path: &Path, e: impl std::fmt::Display) -> TrainError {
+    TrainError::Write { path: path.display().to_string(), reason: e.to_string() }
+}

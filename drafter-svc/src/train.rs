@@ -1,0 +1,456 @@
+//! `drafter-svc train`: trains the block draft head on a target's own states, for any supported
+//! target, CPU or CUDA (glance.md §3.2, the DFlash recipe GLANCE follows):
+//! 1. the responses are regenerated with the target's own greedy decoding;
+//! 2. one teacher-forced target pass per row gives the tap states;
+//! 3. each step samples anchors among a row's response positions; each block sees the context
+//!    strictly before its anchor and its own block bidirectionally;
+//! 4. cross-entropy on the same-position labels, weighted exp(−(k−1)/γ);
+//! 5. AdamW with cosine schedule and warm-up, gradient clipping.
+//!
+//! Held-out acceptance is measured on the greedy trajectory: at each anchor, how many of the
+//! block's drafted tokens the target would accept as a chain and as a budget tree.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use glance_common::decode::{greedy_generate, prefill_with_taps, GreedyParams, ModelInputs, StepControl};
+use glance_common::input::{ChatMessage, PromptBuilder, PromptOptions};
+use glance_common::models::TargetModel;
+use glance_common::train::{cosine_lr, cross_entropy, AdamW};
+use glance_common::weights::Checkpoint;
+use tch::{Device, Kind, Tensor};
+
+use crate::head::{DraftHead, DraftHeadConfig, HeadError};
+use crate::init::{write_random_head, HeadSpec};
+use crate::testing::SplitMix;
+use crate::tree::{build_budget_tree, top_k_log_probs};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("head: {0}")]
+    Head(#[from] HeadError),
+    #[error("target: {0}")]
+    Target(String),
+    #[error("data: {0}")]
+    Data(String),
+    #[error("writing {path}: {reason}")]
+    Write { path: String, reason: String },
+}
+
+/// Where the training prompts come from.
+#[derive(Clone, Debug)]
+pub enum DataSource {
+    /// The toy world's training split (held-out split for evaluation), all tasks in turn.
+    ToyWorld { seed: u64 },
+    /// JSON lines `{"prompt": "...", "image": "path"?}` (image paths relative to the file).
+    JsonLines(PathBuf),
+}
+
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub target: PathBuf,
+    pub out: PathBuf,
+    /// Start from this head; else a fresh one from `fresh`.
+    pub init: Option<PathBuf>,
+    pub fresh: HeadSpec,
+    pub data: DataSource,
+    pub rows: usize,
+    pub held_out_rows: usize,
+    pub max_new_tokens: usize,
+    pub steps: usize,
+    pub anchors: usize,
+    pub peak_lr: f64,
+    pub warmup_ratio: f64,
+    /// Loss decay: weight of offset k is exp(−(k−1)/γ).
+    pub gamma: f64,
+    pub eval_every: usize,
+    pub checkpoint_every: usize,
+    pub resume: bool,
+    pub seed: u64,
+    pub device: Device,
+}
+
+/// A training row: the full sequence (prompt + the target's greedy response), where the response
+/// starts, and the target's tap states for every position.
+pub struct Row {
+    pub tokens: Vec<i64>,
+    pub response_start: usize,
+    pub states: Tensor,
+}
+
+/// What one evaluation measured on held-out rows.
+#[derive(Clone, Debug, Default)]
+pub struct Acceptance {
+    /// Mean tokens per round a chain draft would commit on the greedy trajectory (accepted + 1).
+    pub chain_tau: f64,
+    /// The same for a budget-31, top-8 tree.
+    pub tree_tau: f64,
+    pub anchors: usize,
+}
+
+pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptance, TrainError> {
+    let target = TargetModel::load(&config.target, Kind::Float, config.device)
+        .map_err(|e| TrainError::Target(e.to_string()))?;
+    let prompts = PromptBuilder::from_model_dir(&config.target, PromptOptions::default())
+        .map_err(|e| TrainError::Target(e.to_string()))?;
+    let head_dir = prepare_head_dir(config, &mut log)?;
+    let head_config = DraftHeadConfig::load(&head_dir, Some(target.text_config().num_layers))?;
+    let taps = head_config.target_layer_ids.clone();
+    log(&format!(
+        "regenerating {} training and {} held-out rows with the target",
+        config.rows, config.held_out_rows
+    ));
+    let train_rows =
+        build_rows(&target, &prompts, &config.data, false, config.rows, config.max_new_tokens, &taps)?;
+    let held_out = build_rows(
+        &target,
+        &prompts,
+        &config.data,
+        true,
+        config.held_out_rows,
+        config.max_new_tokens,
+        &taps,
+    )?;
+    let mut ckpt = Checkpoint::open(&head_dir, Kind::Float, config.device)
+        .map_err(|e| TrainError::Head(e.into()))?
+        .into_trainable();
+    let embed = target.text.embed_tokens().shallow_clone();
+    let lm_head = target.text.lm_head().shallow_clone();
+    let head = DraftHead::from_checkpoint(head_config.clone(), &mut ckpt, embed, lm_head)?;
+    let named: Vec<(String, Tensor)> =
+        ckpt.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let mut optimizer = AdamW::new(named.iter().map(|(_, t)| t.shallow_clone()).collect(), 0.0);
+    let first_step = if config.resume { restore_state(&config.out, &named, &mut optimizer)? } else { 0 };
+    let warmup = ((config.steps as f64) * config.warmup_ratio).ceil() as usize;
+    let bar = progress_bar(config.steps, first_step);
+    let mut rng = SplitMix::new(config.seed ^ 0x5EED);
+    // Skip the randomness the resumed steps consumed, so a resumed run continues identically.
+    for _ in 0..first_step {
+        rng.next_u64();
+    }
+    let mut last = Acceptance::default();
+    let mut smoothed = None;
+    let started = Instant::now();
+    for step in first_step..config.steps {
+        let row = &train_rows[rng.below(train_rows.len() as u64) as usize];
+        let Some(loss) = row_loss(&head, row, config, &mut rng) else { continue };
+        loss.backward();
+        optimizer.clip_grad_norm(1.0);
+        let lr = cosine_lr(step, config.steps, warmup, config.peak_lr, 0.0);
+        optimizer.step(lr);
+        let value = loss.double_value(&[]);
+        let s = smoothed.map_or(value, |s: f64| 0.98 * s + 0.02 * value);
+        smoothed = Some(s);
+        bar.set_position(step as u64 + 1);
+        bar.set_message(format!(
+            "loss {s:.3} | held-out chain tau {:.2}, tree tau {:.2}",
+            last.chain_tau, last.tree_tau
+        ));
+        let done = step + 1 == config.steps;
+        if config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || done) {
+            last = tch::no_grad(|| acceptance(&head, &held_out));
+            bar.suspend(|| {
+                log(&format!(
+                    "step {}: loss {s:.3}, held-out chain tau {:.2}, tree tau {:.2} ({} anchors), {:.0}s",
+                    step + 1,
+                    last.chain_tau,
+                    last.tree_tau,
+                    last.anchors,
+                    started.elapsed().as_secs_f64()
+                ))
+            });
+        }
+        if config.checkpoint_every > 0 && ((step + 1) % config.checkpoint_every == 0 || done) {
+            save(&config.out, &head_dir, &named, &optimizer, step + 1)?;
+        }
+    }
+    bar.finish();
+    if config.eval_every == 0 {
+        last = tch::no_grad(|| acceptance(&head, &held_out));
+    }
+    log(&format!("final held-out chain tau {:.2}, tree tau {:.2}", last.chain_tau, last.tree_tau));
+    Ok(last)
+}
+
+fn progress_bar(total: usize, position: usize) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_position(position as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+    ) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// The head directory training starts from: `--init`, the output (when resuming), or a fresh
+/// random head written to `out/init`.
+fn prepare_head_dir(config: &TrainConfig, log: &mut impl FnMut(&str)) -> Result<PathBuf, TrainError> {
+    if config.resume && config.out.join("model.safetensors").is_file() {
+        return Ok(config.out.clone());
+    }
+    if let Some(init) = &config.init {
+        return Ok(init.clone());
+    }
+    let fresh = config.out.join("init");
+    log(&format!("initializing a fresh {}-layer head in {}", config.fresh.layers, fresh.display()));
+    write_random_head(&config.target, &fresh, &config.fresh).map_err(|e| TrainError::Data(e.to_string()))?;
+    Ok(fresh)
+}
+
+/// The training prompts of a data source.
+fn prompts_of(
+    source: &DataSource,
+    held_out: bool,
+    count: usize,
+) -> Result<Vec<Vec<ChatMessage>>, TrainError> {
+    match source {
+        DataSource::ToyWorld { seed } => {
+            use glance_common::toyworld::{sample, Split, Task};
+            let split = if held_out { Split::HeldOut } else { Split::Train };
+            Ok((0..count as u64)
+                .map(|i| {
+                    sample(split, Task::ALL[(i % Task::ALL.len() as u64) as usize], *seed, i / 5).messages()
+                })
+                .collect())
+        }
+        DataSource::JsonLines(path) => json_lines(path, held_out, count),
+    }
+}
+
+/// JSON lines: the first `count` non-held-out lines, or (held out) every tenth line.
+fn json_lines(path: &Path, held_out: bool, count: usize) -> Result<Vec<Vec<ChatMessage>>, TrainError> {
+    use glance_common::input::ContentPart;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut rows = Vec::new();
+    for (i, line) in
+        text.lines().enumerate().filter(|(i, l)| !l.trim().is_empty() && (i % 10 == 9) == held_out)
+    {
+        let value: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| TrainError::Data(format!("{}:{}: {e}", path.display(), i + 1)))?;
+        let mut content = Vec::new();
+        if let Some(image) = value.get("image").and_then(|v| v.as_str()) {
+            let data =
+                std::fs::read(base.join(image)).map_err(|e| TrainError::Data(format!("{image}: {e}")))?;
+            content.push(ContentPart::Image { data, mime_type: String::new() });
+        }
+        let prompt = value.get("prompt").and_then(|v| v.as_str()).unwrap_or_default();
+        content.push(ContentPart::Text(prompt.to_string()));
+        rows.push(vec![ChatMessage { role: "user".into(), content }]);
+        if rows.len() == count {
+            break;
+        }
+    }
+    Ok(rows)
+}
+
+/// Regenerates each prompt's response with greedy decoding, then runs one teacher-forced pass over
+/// prompt + response for the tap states.
+fn build_rows(
+    target: &TargetModel,
+    prompts: &PromptBuilder,
+    source: &DataSource,
+    held_out: bool,
+    count: usize,
+    max_new_tokens: usize,
+    taps: &[usize],
+) -> Result<Vec<Row>, TrainError> {
+    let bar = progress_bar(count, 0);
+    let mut rows = Vec::with_capacity(count);
+    for messages in prompts_of(source, held_out, count)? {
+        rows.push(row_for(target, prompts, &messages, max_new_tokens, taps)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(rows)
+}
+
+/// Tap states of prompt + response, (n, taps·hidden): the prompt's prefill (with its images),
+/// then the response tokens in one causal pass over the cache (a response that happens to
+/// contain an image placeholder token must not be taken for an image).
+fn teacher_forced_states(
+    target: &TargetModel,
+    inputs: &ModelInputs,
+    response: &[i64],
+    taps: &[usize],
+) -> Result<Tensor, TrainError> {
+    let failed = |e: glance_common::models::ModelError| TrainError::Target(e.to_string());
+    let n = inputs.input_ids.len();
+    let mut cache = target.new_cache(n + response.len());
+    let (_, prompt_states) = prefill_with_taps(target, inputs, &mut cache, taps).map_err(failed)?;
+    let prompt_states = prompt_states.expect("taps were requested");
+    if response.is_empty() {
+        return Ok(prompt_states);
+    }
+    let device = target.device();
+    let ids = Tensor::from_slice(response).to_device(device);
+    let stream: Vec<i64> = (0..response.len()).map(|k| (n + k) as i64 + inputs.rope_delta).collect();
+    let positions =
+        Tensor::from_slice(&stream).view([1, -1]).expand([3, response.len() as i64], false).contiguous();
+    let positions = positions.to_device(device);
+    let step = glance_common::models::StepInput {
+        token_ids: &ids,
+        positions: &positions,
+        mask: None,
+        vision: None,
+        taps,
+        logits: glance_common::models::LogitRows::None,
+    };
+    let out = target.forward(&step, &mut cache).map_err(failed)?;
+    Ok(Tensor::cat(&[prompt_states, Tensor::cat(&out.taps, -1)], 0))
+}
+
+/// The weighted block loss of one row at freshly sampled anchors (None: no response to learn).
+fn row_loss(head: &DraftHead, row: &Row, config: &TrainConfig, rng: &mut SplitMix) -> Option<Tensor> {
+    let n = row.tokens.len();
+    // An anchor needs at least one label after it.
+    let mut pool: Vec<usize> = (row.response_start.saturating_sub(1)..n.saturating_sub(1)).collect();
+    if pool.is_empty() {
+        return None;
+    }
+    let mut anchors: Vec<i64> = Vec::new();
+    while anchors.len() < config.anchors && !pool.is_empty() {
+        let pick = pool.swap_remove(rng.below(pool.len() as u64) as usize);
+        anchors.push(pick as i64);
+    }
+    anchors.sort_unstable();
+    Some(block_loss(head, row, &anchors, config.gamma))
+}
+
+/// Cross-entropy of the blocks at `anchors` (sorted): offset k predicts the token at a+k, weighted
+/// exp(−(k−1)/γ); labels past the row's end weigh nothing.
+pub fn block_loss(head: &DraftHead, row: &Row, anchors: &[i64], gamma: f64) -> Tensor {
+    let n = row.tokens.len();
+    let tokens: Vec<i64> = anchors.iter().map(|&a| row.tokens[a as usize]).collect();
+    let logits = head.forward_train(&row.states, anchors, &tokens);
+    let block = head.block_size() as i64;
+    let (mut labels, mut weights) = (Vec::new(), Vec::new());
+    for &a in anchors {
+        for k in 1..block {
+            let position = (a + k) as usize;
+            labels.push(if position < n { row.tokens[position] } else { 0 });
+            let weight = if position < n { (-((k - 1) as f64) / gamma).exp() } else { 0.0 };
+            weights.push(weight as f32);
+        }
+    }
+    let vocab = logits.size()[2];
+    let device = logits.device();
+    let labels = Tensor::from_slice(&labels).to_device(device);
+    let weights = Tensor::from_slice(&weights).to_device(device);
+    cross_entropy(&logits.view([-1, vocab]), &labels, Some(&weights))
+}
+
+/// Builds one training row for a prompt: the target's greedy response and the tap states.
+pub fn row_for(
+    target: &TargetModel,
+    prompts: &PromptBuilder,
+    messages: &[ChatMessage],
+    max_new_tokens: usize,
+    taps: &[usize],
+) -> Result<Row, TrainError> {
+    let _no_grad = tch::no_grad_guard();
+    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+    let prompt = prompts.build(messages).map_err(|e| TrainError::Data(e.to_string()))?;
+    let inputs = glance_common::toyworld::target::model_inputs(&prompt);
+    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
+    let generation = greedy_generate(target, &inputs, &params, |_| StepControl::Continue)
+        .map_err(|e| TrainError::Target(e.to_string()))?;
+    let states = teacher_forced_states(target, &inputs, &generation.tokens, taps)?;
+    Ok(Row {
+        tokens: inputs.input_ids.iter().chain(&generation.tokens).copied().collect(),
+        response_start: inputs.input_ids.len(),
+        states,
+    })
+}
+
+/// Accepted length on the greedy trajectory at every response anchor of the held-out rows.
+pub fn acceptance(head: &DraftHead, rows: &[Row]) -> Acceptance {
+    let block = head.block_size();
+    let (mut chain, mut tree, mut anchors) = (0usize, 0usize, 0usize);
+    for row in rows {
+        let n = row.tokens.len();
+        let positions: Vec<i64> =
+            (row.response_start.saturating_sub(1)..n.saturating_sub(1)).map(|a| a as i64).collect();
+        for batch in positions.chunks(16) {
+            let tokens: Vec<i64> = batch.iter().map(|&a| row.tokens[a as usize]).collect();
+            let logits = head.forward_train(&row.states, batch, &tokens);
+            for (i, &a) in batch.iter().enumerate() {
+                let truth: Vec<i64> = row.tokens[(a as usize + 1)..n.min(a as usize + block)].to_vec();
+                let Ok((ids, logp)) = top_k_log_probs(&logits.get(i as i64), 8) else { continue };
+                chain += ids.iter().zip(&truth).take_while(|(top, t)| top[0] == **t).count() + 1;
+                tree += accepted_in_tree(&build_budget_tree(&ids, &logp, 31, 8), &truth) + 1;
+                anchors += 1;
+            }
+        }
+    }
+    let mean = |total: usize| if anchors == 0 { 0.0 } else { total as f64 / anchors as f64 };
+    Acceptance { chain_tau: mean(chain), tree_tau: mean(tree), anchors }
+}
+
+/// How deep the true continuation goes into the tree (the acceptance walk with a perfect target).
+fn accepted_in_tree(nodes: &[crate::tree::TreeNode], truth: &[i64]) -> usize {
+    let mut parent = -1i32;
+    let mut depth = 0;
+    while depth < truth.len() {
+        match nodes.iter().position(|n| n.parent == parent && n.token == truth[depth]) {
+            Some(i) => {
+                parent = i as i32;
+                depth += 1;
+            }
+            None => break,
+        }
+    }
+    depth
+}
+
+/// Writes the head (DFlash layout: config.json + model.safetensors) and the optimizer state.
+fn save(
+    out: &Path,
+    head_dir: &Path,
+    named: &[(String, Tensor)],
+    optimizer: &AdamW,
+    step: usize,
+) -> Result<(), TrainError> {
+    let _no_grad = tch::no_grad_guard();
+    std::fs::create_dir_all(out).map_err(|e| write_err(out, e))?;
+    if head_dir != out {
+        std::fs::copy(head_dir.join("config.json"), out.join("config.json"))
+            .map_err(|e| write_err(out, e))?;
+    }
+    let weights: Vec<(String, Tensor)> =
+        named.iter().map(|(n, t)| (n.clone(), t.detach().contiguous())).collect();
+    let path = out.join("model.safetensors");
+    Tensor::write_safetensors(&weights, &path).map_err(|e| write_err(&path, e))?;
+    let (first, second) = optimizer.moments();
+    let mut state: Vec<(String, Tensor)> = Vec::new();
+    for (((name, _), m), v) in named.iter().zip(first).zip(second) {
+        state.push((format!("adam.m.{name}"), m.shallow_clone()));
+        state.push((format!("adam.v.{name}"), v.shallow_clone()));
+    }
+    state.push(("step".into(), Tensor::from_slice(&[step as i64])));
+    let path = out.join("train_state.safetensors");
+    Tensor::write_safetensors(&state, &path).map_err(|e| write_err(&path, e))
+}
+
+/// Restores the optimizer from `out/train_state.safetensors`; returns the step to continue from.
+fn restore_state(out: &Path, named: &[(String, Tensor)], optimizer: &mut AdamW) -> Result<usize, TrainError> {
+    let path = out.join("train_state.safetensors");
+    let state: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?
+        .into_iter()
+        .collect();
+    let get = |key: &str| {
+        state.get(key).map(|t| t.shallow_clone()).ok_or_else(|| TrainError::Data(format!("{key} missing")))
+    };
+    let first = named.iter().map(|(n, _)| get(&format!("adam.m.{n}"))).collect::<Result<Vec<_>, _>>()?;
+    let second = named.iter().map(|(n, _)| get(&format!("adam.v.{n}"))).collect::<Result<Vec<_>, _>>()?;
+    let step = get("step")?.int64_value(&[0]);
+    optimizer.restore(step, first, second);
+    Ok(step as usize)
+}
+
+fn write_err(path: &Path, e: impl std::fmt::Display) -> TrainError {
+    TrainError::Write { path: path.display().to_string(), reason: e.to_string() }
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Regenerates the committed toy-world models from their seed (same figures within noise;
+# multithreaded CPU kernels are not bit-exact):
+#   models/toy-target  the tiny Qwen3-VL-architecture target trained on the toy world
+#   models/toy-head    the GLANCE draft head trained on that target's own states
+# About 20 + 15 minutes on 2 CPU cores.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$GLANCE_ROOT"
+cargo build --release --workspace --bins --quiet
+SEED="${GLANCE_TOY_SEED:-0}"
+if [ "${1:-}" != "--head-only" ]; then
+  rm -rf models/toy-target
+  ./target/release/toyworld train-target --out models/toy-target --seed "$SEED" \
+    --steps "${GLANCE_TOY_TARGET_STEPS:-6000}" --eval-every 1000 --eval-samples 24 --threads 2
+fi
+rm -rf models/toy-head
+./target/release/drafter-svc train --target models/toy-target --out models/toy-head --seed "$SEED" \
+  --rows "${GLANCE_TOY_HEAD_ROWS:-1500}" --held-out-rows 40 --steps "${GLANCE_TOY_HEAD_STEPS:-3000}" \
+  --layers 2 --taps 0,1,2 --eval-every 500 --checkpoint-every 1000 --threads 2
+rm -rf models/toy-head/init models/toy-head/train_state.safetensors
+./target/release/toyworld eval --model models/toy-target --seed "$SEED" --samples 100
