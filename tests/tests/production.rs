@@ -328,3 +328,39 @@ async fn one_request_is_one_trace_across_both_services() {
     assert!(!rounds.is_empty() && rounds.iter().all(|s| parent_name(s).as_deref() == Some("draft_session")));
     println!("trace {trace_id}: {} spans from both services", ours.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_logs_carry_the_entropy_law_data() {
+    let Some(root) = fixtures() else { return };
+    let dir = root.join("tiny-qwen2.5-vl");
+    let prompts = suite::build(&dir, 2, 30);
+    let head = random_head(&dir, "rounds");
+    let drafter = ServiceProcess::drafter(&[
+        "--kind",
+        "block-head",
+        "--head",
+        head.to_str().unwrap(),
+        "--target",
+        dir.to_str().unwrap(),
+    ]);
+    let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+    let mut client = GenerationClient::connect(verifier.url.clone()).await.unwrap();
+    for prompt in &prompts {
+        let mut request = suite::request(prompt, pb::DecodingMode::SpeculativeTree, 15);
+        request.decoding.as_mut().unwrap().log_rounds = true;
+        let response = client.generate(request).await.unwrap().into_inner();
+        let tokens: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
+        assert_eq!(tokens, prompt.greedy);
+        let stats = response.speculative.unwrap();
+        assert_eq!(stats.round_logs.len(), stats.rounds as usize);
+        let vocab_entropy = (1024f32).ln();
+        assert!(stats
+            .round_logs
+            .iter()
+            .all(|r| r.root_entropy >= 0.0 && r.root_entropy <= vocab_entropy + 1e-3));
+        assert!(stats.round_logs.iter().all(|r| r.tree_size >= 1 && r.tree_size <= 15));
+        let accepted: u64 = stats.round_logs.iter().map(|r| r.accepted as u64).sum();
+        // Each accepted token is counted once at its depth.
+        assert_eq!(accepted, stats.accepted_per_depth.iter().sum::<u64>());
+    }
+}

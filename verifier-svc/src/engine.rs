@@ -46,6 +46,8 @@ pub struct Job {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub decoding: Decoding,
+    /// Log each speculative round's root entropy and accepted count.
+    pub log_rounds: bool,
     pub events: mpsc::Sender<Event>,
     /// Its place in the engine, released when the job is dropped.
     pub admission: Admission,
@@ -234,7 +236,8 @@ impl Worker {
                 StepControl::Continue
             }
         };
-        let (generation, speculative) = self.decode(&inputs, &params, job.decoding, on_token)?;
+        let (generation, speculative) =
+            self.decode(&inputs, &params, job.decoding, job.log_rounds, on_token)?;
         if job.events.is_closed() && !stop_string {
             return Err(VerifierError::Cancelled);
         }
@@ -267,22 +270,25 @@ impl Worker {
         inputs: &ModelInputs,
         params: &GreedyParams,
         decoding: Decoding,
+        log_rounds: bool,
         on_token: impl FnMut(i64) -> StepControl,
     ) -> Result<(Generation, Option<(Decoding, SpecParams, SpecStats)>), VerifierError> {
         let (mut provider, spec): (Box<dyn DraftProvider>, SpecParams) = match decoding {
             Decoding::Autoregressive => {
                 return Ok((greedy_generate(&self.model.0, inputs, params, on_token)?, None))
             }
-            Decoding::Tree { budget, branch_k } => (self.remote()?, SpecParams { budget, branch_k }),
+            Decoding::Tree { budget, branch_k } => {
+                (self.remote()?, SpecParams { budget, branch_k, log_rounds })
+            }
             Decoding::Chain => {
                 let provider = self.remote()?;
                 let depth = provider.max_depth();
-                (provider, SpecParams { budget: depth, branch_k: 1 })
+                (provider, SpecParams { budget: depth, branch_k: 1, log_rounds })
             }
             Decoding::PromptLookup => {
                 let provider = LocalProvider::new(Arc::clone(&self.drafting.prompt_lookup));
                 let depth = provider.max_depth();
-                (Box::new(provider), SpecParams { budget: depth, branch_k: 1 })
+                (Box::new(provider), SpecParams { budget: depth, branch_k: 1, log_rounds })
             }
         };
         let (generation, stats) =

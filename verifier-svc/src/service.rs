@@ -64,6 +64,7 @@ impl GenerationService {
             return Err(VerifierError::Unavailable("the server is shutting down".into()));
         }
         let ignore_eos = request.decoding.as_ref().is_some_and(|d| d.ignore_eos);
+        let log_rounds = request.decoding.as_ref().is_some_and(|d| d.log_rounds);
         let decoding = decoding(request.decoding.as_ref(), &self.defaults)?;
         let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
         let admission = self.engine.admit()?;
@@ -89,6 +90,7 @@ impl GenerationService {
             stop,
             ignore_eos,
             decoding,
+            log_rounds,
             events,
             admission,
             span: span.clone(),
@@ -409,6 +411,15 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
         rejected_trees: stats.rejected_trees as u32,
         tree_budget: spec.budget as u32,
         branch_k: spec.branch_k as u32,
+        round_logs: stats
+            .round_logs
+            .iter()
+            .map(|r| pb::RoundLog {
+                root_entropy: r.root_entropy,
+                accepted: r.accepted as u32,
+                tree_size: r.tree_size as u32,
+            })
+            .collect(),
     })
 }
 

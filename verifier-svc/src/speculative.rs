@@ -91,6 +91,17 @@ impl DraftProvider for NoDrafter {
 pub struct SpecParams {
     pub budget: usize,
     pub branch_k: usize,
+    /// Record each drafted round's root entropy and accepted count.
+    pub log_rounds: bool,
+}
+
+/// One drafted round, for the entropy law.
+#[derive(Clone, Copy, Debug)]
+pub struct RoundLog {
+    /// Entropy (nats) of the target's distribution at the root.
+    pub root_entropy: f32,
+    pub accepted: usize,
+    pub tree_size: usize,
 }
 
 /// What the speculative run measured, for the response and the benchmarks.
@@ -110,6 +121,8 @@ pub struct SpecStats {
     pub draft_tokens: usize,
     /// Accepted draft tokens that were committed (a stop inside an accepted run cuts the rest).
     pub accepted_committed: usize,
+    /// Per drafted round, when asked for.
+    pub round_logs: Vec<RoundLog>,
     pub draft_time: Duration,
     pub hop_time: Duration,
     pub verify_time: Duration,
@@ -255,10 +268,14 @@ pub fn speculative_generate(
         let (committed, states) = match round {
             Some(tree) => {
                 stats.draft_tokens += tree.tokens.len();
-                let (path_tokens, states) =
-                    verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps)?;
+                let verified =
+                    verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps, spec.log_rounds)?;
+                let (path_tokens, states) = (verified.committed, verified.states);
                 // path_tokens = [root, accepted…, bonus]: this round committed all but the root.
                 let accepted = path_tokens.len() - 2;
+                if let Some(root_entropy) = verified.root_entropy {
+                    stats.round_logs.push(RoundLog { root_entropy, accepted, tree_size: tree.tokens.len() });
+                }
                 stats.rounds += 1;
                 stats.committed_in_rounds += accepted + 1;
                 for count in &mut stats.accepted_per_depth[..accepted] {
@@ -420,8 +437,17 @@ fn tree_mask(prefix: usize, parents: &[i32], kind: Kind, device: tch::Device) ->
     Tensor::cat(&[prefix_part, pack_part], 1).to_device(device).to_kind(kind)
 }
 
-/// One target pass over root + tree, the acceptance walk and the KV compaction. Returns the
-/// committed tokens [root, accepted…, bonus] and the tap states of [root, accepted…].
+/// What one verify pass produced.
+struct Verified {
+    /// [root, accepted…, bonus]
+    committed: Vec<i64>,
+    /// Tap states of [root, accepted…].
+    states: Option<Tensor>,
+    /// Entropy (nats) of the target at the root, when asked for.
+    root_entropy: Option<f32>,
+}
+
+/// One target pass over root + tree, the acceptance walk and the KV compaction.
 fn verify_round(
     model: &TargetModel,
     cache: &mut KvCache,
@@ -429,7 +455,8 @@ fn verify_round(
     root: i64,
     tree: &DraftTree,
     taps: &[usize],
-) -> Result<(Vec<i64>, Option<Tensor>), ModelError> {
+    with_entropy: bool,
+) -> Result<Verified, ModelError> {
     let start = cache.len();
     let device = model.device();
     let ids: Vec<i64> = std::iter::once(root).chain(tree.tokens.iter().copied()).collect();
@@ -451,10 +478,9 @@ fn verify_round(
         logits: LogitRows::All,
     };
     let out = model.forward(&step, cache)?;
-    let choices = Vec::<i64>::try_from(
-        out.logits.expect("logits were requested").to_kind(Kind::Float).argmax(-1, false),
-    )
-    .expect("argmax is a 1-D int64 tensor");
+    let logits = out.logits.expect("logits were requested").to_kind(Kind::Float);
+    let root_entropy = with_entropy.then(|| entropy_nats(&logits.get(0)));
+    let choices = Vec::<i64>::try_from(logits.argmax(-1, false)).expect("argmax is a 1-D int64 tensor");
     let (path, bonus) = walk(&tree.tokens, &tree.parents, &choices);
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
@@ -462,7 +488,13 @@ fn verify_round(
     let mut committed = vec![root];
     committed.extend(path.iter().map(|&i| tree.tokens[i]));
     committed.push(bonus);
-    Ok((committed, states))
+    Ok(Verified { committed, states, root_entropy })
+}
+
+/// Shannon entropy in nats of softmax(logits), in f32.
+fn entropy_nats(logits: &Tensor) -> f32 {
+    let log_p = logits.log_softmax(-1, Kind::Float);
+    (-(log_p.exp() * &log_p).sum(Kind::Float)).double_value(&[]) as f32
 }
 
 /// Follows the target's argmax from the root through children with that token. Returns the node
