@@ -22,6 +22,22 @@ pub struct ModelInputs {
 }
 
 impl ModelInputs {
+    /// Tensors for the model from a preprocessed prompt (all images' patches, in order).
+    pub fn from_prompt(prompt: &crate::input::Prompt) -> Self {
+        let pixels: Vec<f32> = prompt.images.iter().flat_map(|im| im.pixel_values.iter().copied()).collect();
+        let pixel_values = (!prompt.images.is_empty()).then(|| {
+            let patch_dim = prompt.images[0].patch_dim as i64;
+            Tensor::from_slice(&pixels).view([-1, patch_dim])
+        });
+        Self {
+            input_ids: prompt.input_ids.iter().map(|&i| i as i64).collect(),
+            positions: [prompt.positions.t.clone(), prompt.positions.h.clone(), prompt.positions.w.clone()],
+            rope_delta: prompt.rope_delta,
+            pixel_values,
+            image_grids: prompt.images.iter().map(|im| im.grid_thw.map(|g| g as i64)).collect(),
+        }
+    }
+
     pub fn positions_tensor(&self) -> Tensor {
         let flat: Vec<i64> = self.positions.iter().flatten().copied().collect();
         Tensor::from_slice(&flat).view([3, self.input_ids.len() as i64])

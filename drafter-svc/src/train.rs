@@ -353,7 +353,7 @@ pub fn row_for(
     let _no_grad = tch::no_grad_guard();
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     let prompt = prompts.build(messages).map_err(|e| TrainError::Data(e.to_string()))?;
-    let inputs = glance_common::toyworld::target::model_inputs(&prompt);
+    let inputs = ModelInputs::from_prompt(&prompt);
     let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
     let generation = greedy_generate(target, &inputs, &params, |_| StepControl::Continue)
         .map_err(|e| TrainError::Target(e.to_string()))?;

@@ -92,6 +92,19 @@ impl Case {
     }
 }
 
+/// Writes a randomly initialized draft head (`layers` layers, block 16, seeded) for `target` into
+/// a scratch directory named after `name` and returns it. The tiny targets are too shallow for
+/// DFlash's tap rule (layers 1..n−3), so the taps are named: 0, 1, 2.
+pub fn random_head(target: &Path, name: &str, layers: usize, seed: u64) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("glance-head-{name}-{}", std::process::id()));
+    let spec = drafter_svc::init::HeadSpec {
+        tap_layers: Some(vec![0, 1, 2]),
+        ..drafter_svc::init::HeadSpec::new(layers, 16, seed)
+    };
+    drafter_svc::init::write_random_head(target, &out, &spec).expect("random head");
+    out
+}
+
 /// Largest absolute difference of two tensors, in f64.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size(), "shapes differ");

@@ -58,7 +58,7 @@ pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> 
             let messages = vec![ChatMessage { role: "user".into(), content }];
             let ignore_eos = i % 3 != 0;
             let prompt = prompts.build(&messages).expect("prompt");
-            let inputs = verifier_svc::engine::model_inputs(&prompt);
+            let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
             let params = GreedyParams {
                 max_new_tokens: max_new_tokens as usize,
                 eos_token_ids: if ignore_eos { &[] } else { &eos },

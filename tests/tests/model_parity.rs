@@ -85,7 +85,7 @@ fn greedy_tokens_match_transformers_through_our_pipeline() {
         for name in CASES {
             let case = Case::load(&dir, name);
             let prompt = prompts.build(&case.chat_messages()).expect("prompt");
-            let inputs = verifier_svc::engine::model_inputs(&prompt);
+            let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
             assert_eq!(inputs.input_ids, case.input_ids, "{family}/{name}: input ids");
             let tokens = greedy(&model, &inputs, case.greedy_tokens.len());
             assert_eq!(tokens, case.greedy_tokens, "{family}/{name}: greedy tokens");

@@ -42,16 +42,6 @@ fn metric(text: &str, prefix: &str) -> f64 {
         .sum()
 }
 
-fn random_head(target: &std::path::Path, name: &str) -> std::path::PathBuf {
-    let out = std::env::temp_dir().join(format!("glance-prod-{name}-{}", std::process::id()));
-    let spec = drafter_svc::init::HeadSpec {
-        tap_layers: Some(vec![0, 1, 2]),
-        ..drafter_svc::init::HeadSpec::new(1, 16, 5)
-    };
-    drafter_svc::init::write_random_head(target, &out, &spec).expect("random head");
-    out
-}
-
 fn long_request(prompt: &SuitePrompt, tokens: u32) -> pb::GenerateRequest {
     let mut request = suite::request(prompt, pb::DecodingMode::Autoregressive, 0);
     request.max_new_tokens = tokens;
@@ -64,7 +54,7 @@ async fn spec_decode_counters_add_up() {
     let Some(root) = fixtures() else { return };
     let dir = root.join("tiny-qwen3-vl");
     let prompts = suite::build(&dir, 4, 40);
-    let head = random_head(&dir, "metrics");
+    let head = glance_tests::random_head(&dir, "metrics", 1, 5);
     let drafter = ServiceProcess::drafter(&[
         "--kind",
         "block-head",
@@ -277,7 +267,7 @@ async fn one_request_is_one_trace_across_both_services() {
     let otel = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
     let dir = root.join("tiny-qwen3-vl");
     let prompts = suite::build(&dir, 1, 24);
-    let head = random_head(&dir, "trace");
+    let head = glance_tests::random_head(&dir, "trace", 1, 5);
     let mut drafter = ServiceProcess::drafter_with_env(
         &["--kind", "block-head", "--head", head.to_str().unwrap(), "--target", dir.to_str().unwrap()],
         &otel,
@@ -334,7 +324,7 @@ async fn round_logs_carry_the_entropy_law_data() {
     let Some(root) = fixtures() else { return };
     let dir = root.join("tiny-qwen2.5-vl");
     let prompts = suite::build(&dir, 2, 30);
-    let head = random_head(&dir, "rounds");
+    let head = glance_tests::random_head(&dir, "rounds", 1, 5);
     let drafter = ServiceProcess::drafter(&[
         "--kind",
         "block-head",

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use glance_common::decode::{greedy_generate, GreedyParams, StepControl};
-use glance_common::input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
+use glance_common::input::{PromptBuilder, PromptOptions};
 use glance_common::models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
@@ -13,28 +13,6 @@ use glance_tests::process::ServiceProcess;
 use glance_tests::{fixtures, Case};
 use tonic::transport::Channel;
 use tonic::Code;
-
-fn to_proto(messages: &[ChatMessage]) -> Vec<pb::ChatMessage> {
-    messages
-        .iter()
-        .map(|m| pb::ChatMessage {
-            role: m.role.clone(),
-            content: m
-                .content
-                .iter()
-                .map(|part| pb::ContentPart {
-                    part: Some(match part {
-                        ContentPart::Text(t) => pb::content_part::Part::Text(t.clone()),
-                        ContentPart::Image { data, mime_type } => pb::content_part::Part::Image(pb::Image {
-                            data: data.clone(),
-                            mime_type: mime_type.clone(),
-                        }),
-                    }),
-                })
-                .collect(),
-        })
-        .collect()
-}
 
 fn request(messages: Vec<pb::ChatMessage>, max_new_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest { messages, max_new_tokens, stop: vec![], decoding: None }
@@ -103,12 +81,16 @@ async fn served_tokens_equal_in_process_greedy() {
         let prompt = prompts.build(&messages).unwrap();
         let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
         let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &eos, context_limit: 4096 };
-        let inputs = verifier_svc::engine::model_inputs(&prompt);
+        let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
         let expected = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).unwrap().tokens;
 
         let server = ServiceProcess::verifier(&dir, &[]);
         let mut client = connect(&server.url).await;
-        let unary = client.generate(request(to_proto(&messages), 48)).await.unwrap().into_inner();
+        let unary = client
+            .generate(request(glance_tests::suite::to_proto(&messages), 48))
+            .await
+            .unwrap()
+            .into_inner();
         let served: Vec<i64> = unary.token_ids.iter().map(|&t| t as i64).collect();
         assert_eq!(served, expected, "{family}: served tokens differ from in-process greedy");
         let usage = unary.usage.unwrap();
@@ -116,7 +98,11 @@ async fn served_tokens_equal_in_process_greedy() {
         assert_eq!(usage.image_tokens as usize, prompt.image_token_count);
         assert_eq!(usage.generated_tokens as usize, expected.len());
 
-        let mut stream = client.generate_stream(request(to_proto(&messages), 48)).await.unwrap().into_inner();
+        let mut stream = client
+            .generate_stream(request(glance_tests::suite::to_proto(&messages), 48))
+            .await
+            .unwrap()
+            .into_inner();
         let (mut streamed_text, mut streamed_ids, mut finish) = (String::new(), Vec::new(), 0);
         while let Some(chunk) = stream.message().await.unwrap() {
             streamed_text.push_str(&chunk.text);

@@ -3,23 +3,11 @@
 //! exactly the greedy tokens, the stats show the fallback rounds, and drafting resumes once the
 //! drafter is back.
 
-use std::path::PathBuf;
-
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_tests::fixtures;
 use glance_tests::process::ServiceProcess;
 use glance_tests::suite::{self, SuitePrompt};
-
-fn random_head(target: &std::path::Path) -> PathBuf {
-    let out = std::env::temp_dir().join(format!("glance-faults-head-{}", std::process::id()));
-    let spec = drafter_svc::init::HeadSpec {
-        tap_layers: Some(vec![0, 1, 2]),
-        ..drafter_svc::init::HeadSpec::new(1, 16, 3)
-    };
-    drafter_svc::init::write_random_head(target, &out, &spec).expect("random head");
-    out
-}
 
 /// Streams one request; calls `midway` once `after` tokens have arrived; returns the tokens and
 /// the final stats.
@@ -52,7 +40,7 @@ async fn killed_then_restarted_drafter_loses_no_request() {
     let Some(root) = fixtures() else { return };
     let dir = root.join("tiny-qwen3-vl");
     let prompts = suite::build(&dir, 2, 2500);
-    let head = random_head(&dir);
+    let head = glance_tests::random_head(&dir, "faults-kill", 1, 3);
     let drafter_args =
         ["--kind", "block-head", "--head", head.to_str().unwrap(), "--target", dir.to_str().unwrap()];
     let mut drafter = ServiceProcess::drafter(&drafter_args);
@@ -105,7 +93,7 @@ async fn a_stalling_drafter_is_not_waited_for() {
     let Some(root) = fixtures() else { return };
     let dir = root.join("tiny-qwen2.5-vl");
     let prompts = suite::build(&dir, 4, 200);
-    let head = random_head(&dir);
+    let head = glance_tests::random_head(&dir, "faults-stall", 1, 3);
     // Every 7th round of a session stalls 1.5 s; the verifier waits 150 ms per round.
     let drafter = ServiceProcess::drafter(&[
         "--kind",

@@ -4,7 +4,7 @@
 //! drafter whose top branch is the true continuation (deep commits, compaction, EOS inside
 //! accepted runs), with a garbage drafter that also sends malformed trees, and with prompt lookup.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
@@ -19,15 +19,6 @@ fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("glance-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("scratch dir");
     dir
-}
-
-fn random_head(target: &Path, out: &Path) {
-    // The tiny targets are too shallow for DFlash's tap rule (layers 1..n-3): name the taps.
-    let spec = drafter_svc::init::HeadSpec {
-        tap_layers: Some(vec![0, 1, 2]),
-        ..drafter_svc::init::HeadSpec::new(2, 16, 7)
-    };
-    drafter_svc::init::write_random_head(target, out, &spec).expect("random head");
 }
 
 /// Sends every prompt in `mode`; asserts greedy-identical tokens; returns the summed stats.
@@ -83,8 +74,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         .await;
         drop(verifier);
 
-        let head = scratch.join(format!("{family}-head"));
-        random_head(&dir, &head);
+        let head = glance_tests::random_head(&dir, &format!("lossless-{family}"), 2, 7);
         let drafter = ServiceProcess::drafter(&[
             "--kind",
             "block-head",

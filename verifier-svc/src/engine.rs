@@ -210,7 +210,7 @@ impl Worker {
     }
 
     fn generate(&self, job: Job) -> Result<Summary, VerifierError> {
-        let inputs = model_inputs(&job.prompt);
+        let inputs = ModelInputs::from_prompt(&job.prompt);
         let detok = |ids: &[u32]| self.prompts.decode(ids, true).unwrap_or_default();
         let mut text = TextAssembler::new(detok, job.stop.clone());
         let mut stop_string = false;
@@ -329,22 +329,6 @@ fn record_summary(summary: &Summary) {
     metrics::counter!(names::DRAFTER_BYTES).increment(stats.bytes_sent);
     if stats.rounds > 0 {
         metrics::gauge!(names::SPEC_TAU).set(stats.tau());
-    }
-}
-
-/// Tensors for the model from a preprocessed prompt.
-pub fn model_inputs(prompt: &Prompt) -> ModelInputs {
-    let pixels: Vec<f32> = prompt.images.iter().flat_map(|im| im.pixel_values.iter().copied()).collect();
-    let pixel_values = (!prompt.images.is_empty()).then(|| {
-        let patch_dim = prompt.images[0].patch_dim as i64;
-        tch::Tensor::from_slice(&pixels).view([-1, patch_dim])
-    });
-    ModelInputs {
-        input_ids: prompt.input_ids.iter().map(|&i| i as i64).collect(),
-        positions: [prompt.positions.t.clone(), prompt.positions.h.clone(), prompt.positions.w.clone()],
-        rope_delta: prompt.rope_delta,
-        pixel_values,
-        image_grids: prompt.images.iter().map(|im| im.grid_thw.map(|g| g as i64)).collect(),
     }
 }
 

@@ -300,27 +300,11 @@ pub fn evaluate(model: &TargetModel, prompts: &PromptBuilder, seed: u64, per_tas
 /// The model's greedy answer to a sample.
 pub fn answer_of(model: &TargetModel, prompts: &PromptBuilder, s: &Sample, eos: &[i64]) -> Option<String> {
     let prompt = prompts.build(&s.messages()).ok()?;
-    let inputs = model_inputs(&prompt);
+    let inputs = ModelInputs::from_prompt(&prompt);
     let params = GreedyParams { max_new_tokens: 80, eos_token_ids: eos, context_limit: 4096 };
     let generation = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?;
     let ids: Vec<u32> = generation.tokens.iter().map(|&t| t as u32).collect();
     prompts.decode(&ids, true).ok()
-}
-
-/// Model inputs of a prompt (same layout the verifier uses).
-pub fn model_inputs(prompt: &Prompt) -> ModelInputs {
-    let pixels: Vec<f32> = prompt.images.iter().flat_map(|im| im.pixel_values.iter().copied()).collect();
-    let pixel_values = (!prompt.images.is_empty()).then(|| {
-        let patch_dim = prompt.images[0].patch_dim as i64;
-        Tensor::from_slice(&pixels).view([-1, patch_dim])
-    });
-    ModelInputs {
-        input_ids: prompt.input_ids.iter().map(|&i| i as i64).collect(),
-        positions: [prompt.positions.t.clone(), prompt.positions.h.clone(), prompt.positions.w.clone()],
-        rope_delta: prompt.rope_delta,
-        pixel_values,
-        image_grids: prompt.images.iter().map(|im| im.grid_thw.map(|g| g as i64)).collect(),
-    }
 }
 
 /// Trains the toy target into `out_dir` (tokenizer, config, weights in bf16). Progress lines go to

@@ -41,7 +41,7 @@ fn main() {
         PromptBuilder::from_model_dir(&model_dir, PromptOptions::default()).expect("prompt builder");
     let model = TargetModel::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
     let prompt = prompts.build(&case.chat_messages()).expect("prompt");
-    let inputs = verifier_svc::engine::model_inputs(&prompt);
+    let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
     let params =
         GreedyParams { max_new_tokens: args.max_new_tokens, eos_token_ids: &[], context_limit: 1 << 20 };
     let ours = || {
