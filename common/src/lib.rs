@@ -5,6 +5,7 @@
 pub mod decode;
 pub mod input;
 pub mod kv_cache;
+pub mod law;
 pub mod models;
 pub mod telemetry;
 pub mod toyworld;
