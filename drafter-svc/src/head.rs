@@ -12,7 +12,7 @@
 use std::path::Path;
 
 use glance_common::kv_cache::{CacheError, KvCache};
-use glance_common::models::layers::{apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm};
+use glance_common::models::layers::{apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm, SwiGlu};
 use glance_common::weights::{read_named_tensors, Checkpoint, WeightsError};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -263,7 +263,7 @@ struct HeadLayer {
     input_layernorm: RmsNorm,
     attn: HeadAttention,
     post_attention_layernorm: RmsNorm,
-    mlp: HeadMlp,
+    mlp: SwiGlu,
 }
 
 struct HeadAttention {
@@ -276,13 +276,6 @@ struct HeadAttention {
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
-}
-
-struct HeadMlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-    activation: Activation,
 }
 
 impl DraftHead {
@@ -617,7 +610,14 @@ impl HeadLayer {
             input_layernorm: norm(ckpt, "input_layernorm")?,
             attn: HeadAttention::load(ckpt, &format!("{prefix}.self_attn"), c)?,
             post_attention_layernorm: norm(ckpt, "post_attention_layernorm")?,
-            mlp: HeadMlp::load(ckpt, &format!("{prefix}.mlp"), c)?,
+            mlp: SwiGlu::load(
+                ckpt,
+                &format!("{prefix}.mlp"),
+                c.hidden_size,
+                c.intermediate_size,
+                false,
+                c.activation,
+            )?,
         })
     }
 
@@ -729,26 +729,6 @@ impl HeadAttention {
         let out =
             out.squeeze_dim(0).transpose(0, 1).contiguous().view([block, self.num_heads * self.head_dim]);
         self.o_proj.forward(&out)
-    }
-}
-
-impl HeadMlp {
-    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &DraftHeadConfig) -> Result<Self, WeightsError> {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let proj = |ckpt: &mut Checkpoint, name: &str, inp: i64, out: i64| {
-            Linear::load(ckpt, &format!("{prefix}.{name}"), inp, out, false)
-        };
-        Ok(Self {
-            gate_proj: proj(ckpt, "gate_proj", h, i)?,
-            up_proj: proj(ckpt, "up_proj", h, i)?,
-            down_proj: proj(ckpt, "down_proj", i, h)?,
-            activation: c.activation,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let gate = self.activation.apply(&self.gate_proj.forward(x));
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
     }
 }
 

@@ -105,6 +105,31 @@ pub fn random_head(target: &Path, name: &str, layers: usize, seed: u64) -> PathB
     out
 }
 
+/// A loopback port free right now (for a service's fixed metrics address).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("address").port()
+}
+
+/// `GET /metrics` from a service's Prometheus port, as text.
+pub fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response.split("\r\n\r\n").nth(1).unwrap_or_default().to_string()
+}
+
+/// Sum of the samples whose line starts with `prefix` (a metric name, or a name with labels); a
+/// metric never touched reads 0.
+pub fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Largest absolute difference of two tensors, in f64.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size(), "shapes differ");

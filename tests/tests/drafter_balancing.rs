@@ -8,16 +8,15 @@
 //! generation (its rounds all land on one drafter). Killing a drafter under a session pinned to it
 //! loses no request, and speculation goes on with the other one. Every output equals greedy.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
-use glance_tests::fixtures;
 use glance_tests::process::ServiceProcess;
 use glance_tests::suite::{self, SuitePrompt};
+use glance_tests::{fixtures, free_port, metric, scrape};
 use tonic::transport::Channel;
 
 const POOL_NAME: &str = "drafter-pool.glance.test";
@@ -45,28 +44,6 @@ fn shared_port() -> u16 {
         }
     }
     panic!("no port is free on both {POOL_IPS:?}");
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// `GET /metrics` as text.
-fn scrape(port: u16) -> String {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
-    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response.split("\r\n\r\n").nth(1).unwrap_or_default().to_string()
-}
-
-/// Sum of a metric's samples (a metric that was never touched reads 0).
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// One drafter "pod": an oracle drafter on a pool address, with its metrics port.

@@ -2,16 +2,14 @@
 //! graceful drain — each against the real service processes on loopback.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
-use glance_tests::fixtures;
 use glance_tests::process::ServiceProcess;
 use glance_tests::suite::{self, SuitePrompt};
+use glance_tests::{fixtures, free_port, metric, scrape};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -19,28 +17,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use tonic::Code;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// `GET /metrics` as text.
-fn scrape(port: u16) -> String {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("metrics port");
-    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response.split("\r\n\r\n").nth(1).unwrap_or_default().to_string()
-}
-
-/// Sum of a metric's samples whose line starts with `prefix` (a name, or a name with labels).
-fn metric(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with([' ', '{']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 fn long_request(prompt: &SuitePrompt, tokens: u32) -> pb::GenerateRequest {
     let mut request = suite::request(prompt, pb::DecodingMode::Autoregressive, 0);

@@ -122,6 +122,39 @@ impl Activation {
     }
 }
 
+/// SwiGLU MLP `down(act(gate(x)) · up(x))` of the Qwen decoders, the DFlash head and the
+/// Qwen2.5-VL vision blocks (the latter with biases).
+pub struct SwiGlu {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    activation: Activation,
+}
+
+impl SwiGlu {
+    /// Loads `{prefix}.gate_proj`, `{prefix}.up_proj` and `{prefix}.down_proj`.
+    pub fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        hidden: i64,
+        intermediate: i64,
+        bias: bool,
+        activation: Activation,
+    ) -> Result<Self, WeightsError> {
+        Ok(Self {
+            gate_proj: Linear::load(ckpt, &format!("{prefix}.gate_proj"), hidden, intermediate, bias)?,
+            up_proj: Linear::load(ckpt, &format!("{prefix}.up_proj"), hidden, intermediate, bias)?,
+            down_proj: Linear::load(ckpt, &format!("{prefix}.down_proj"), intermediate, hidden, bias)?,
+            activation,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let gate = self.activation.apply(&self.gate_proj.forward(x));
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
+    }
+}
+
 /// Inverse rotary frequencies `1 / base^(2i/dim)` for i < dim/2, computed as torch does (f32).
 pub fn inverse_frequencies(base: f64, dim: i64, device: tch::Device) -> Tensor {
     let exponents =

@@ -5,7 +5,7 @@
 use serde_json::Value;
 use tch::Tensor;
 
-use super::layers::{Activation, Linear, RmsNorm};
+use super::layers::{Activation, Linear, RmsNorm, SwiGlu};
 use super::text::{TextModel, VisionEmbeds};
 use super::{
     multimodal_ids, per_frame_segments, text_config, vision_patch_coords, vision_rotary, ConfigView,
@@ -85,18 +85,11 @@ pub fn load(
     Ok((ids, text, vision))
 }
 
-struct VisionMlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-    activation: Activation,
-}
-
 struct VisionBlock {
     norm1: RmsNorm,
     attn: VisionAttention,
     norm2: RmsNorm,
-    mlp: VisionMlp,
+    mlp: SwiGlu,
 }
 
 pub struct VisionModel {
@@ -217,29 +210,18 @@ impl WindowPartition {
 
 impl VisionBlock {
     fn load(ckpt: &mut Checkpoint, prefix: &str, c: &VisionConfig) -> Result<Self, WeightsError> {
-        let (dim, inter) = (c.hidden_size, c.intermediate_size);
-        let mlp = |ckpt: &mut Checkpoint, name: &str, i: i64, o: i64| {
-            Linear::load(ckpt, &format!("{prefix}.mlp.{name}"), i, o, true)
-        };
+        let dim = c.hidden_size;
         Ok(Self {
             norm1: RmsNorm::load(ckpt, &format!("{prefix}.norm1"), dim, 1e-6)?,
             attn: VisionAttention::load(ckpt, &format!("{prefix}.attn"), dim, c.num_heads)?,
             norm2: RmsNorm::load(ckpt, &format!("{prefix}.norm2"), dim, 1e-6)?,
-            mlp: VisionMlp {
-                gate_proj: mlp(ckpt, "gate_proj", dim, inter)?,
-                up_proj: mlp(ckpt, "up_proj", dim, inter)?,
-                down_proj: mlp(ckpt, "down_proj", inter, dim)?,
-                activation: c.activation,
-            },
+            mlp: SwiGlu::load(ckpt, &format!("{prefix}.mlp"), dim, c.intermediate_size, true, c.activation)?,
         })
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, segments: &[(i64, i64)]) -> Tensor {
         let h = x + self.attn.forward(&self.norm1.forward(x), cos, sin, segments);
-        let normed = self.norm2.forward(&h);
-        let m = &self.mlp;
-        let gated = m.activation.apply(&m.gate_proj.forward(&normed)) * m.up_proj.forward(&normed);
-        &h + m.down_proj.forward(&gated)
+        &h + self.mlp.forward(&self.norm2.forward(&h))
     }
 }
 

@@ -4,7 +4,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::layers::{apply_rotary, causal_mask, inverse_frequencies, Activation, Linear, RmsNorm};
+use super::layers::{apply_rotary, causal_mask, inverse_frequencies, Activation, Linear, RmsNorm, SwiGlu};
 use super::ModelError;
 use crate::kv_cache::KvCache;
 use crate::weights::{Checkpoint, WeightsError};
@@ -78,18 +78,11 @@ struct Attention {
     head_dim: i64,
 }
 
-struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-    activation: Activation,
-}
-
 struct DecoderLayer {
     input_layernorm: RmsNorm,
     attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: SwiGlu,
 }
 
 /// Image features spliced into one forward pass: the merged patch embeddings that replace the
@@ -317,7 +310,14 @@ impl DecoderLayer {
                 c.hidden_size,
                 c.rms_norm_eps,
             )?,
-            mlp: Mlp::load(ckpt, &format!("{prefix}.mlp"), c)?,
+            mlp: SwiGlu::load(
+                ckpt,
+                &format!("{prefix}.mlp"),
+                c.hidden_size,
+                c.intermediate_size,
+                false,
+                c.activation,
+            )?,
         })
     }
 
@@ -397,23 +397,6 @@ impl Attention {
         ); // (1, heads, n, head_dim)
         let out = out.squeeze_dim(0).transpose(0, 1).contiguous().view([n, self.num_heads * self.head_dim]);
         self.o_proj.forward(&out)
-    }
-}
-
-impl Mlp {
-    fn load(ckpt: &mut Checkpoint, prefix: &str, c: &TextConfig) -> Result<Self, WeightsError> {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        Ok(Self {
-            gate_proj: Linear::load(ckpt, &format!("{prefix}.gate_proj"), h, i, false)?,
-            up_proj: Linear::load(ckpt, &format!("{prefix}.up_proj"), h, i, false)?,
-            down_proj: Linear::load(ckpt, &format!("{prefix}.down_proj"), i, h, false)?,
-            activation: c.activation,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let gate = self.activation.apply(&self.gate_proj.forward(x));
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
     }
 }
 
