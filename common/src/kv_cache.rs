@@ -30,7 +30,10 @@ impl KvCache {
         kind: Kind,
         device: Device,
     ) -> Self {
-        let alloc = || Tensor::zeros([kv_heads, capacity as i64, head_dim], (kind, device));
+        // Uninitialized: only rows already written are ever read (every view is `[..len]`), and a
+        // drafter session's cache is sized for its whole context limit (tens of MB), whose
+        // zero-fill would cost every request several milliseconds.
+        let alloc = || Tensor::empty([kv_heads, capacity as i64, head_dim], (kind, device));
         Self {
             keys: (0..layers).map(|_| alloc()).collect(),
             values: (0..layers).map(|_| alloc()).collect(),

@@ -104,12 +104,17 @@ pub fn cosine_lr(step: usize, total: usize, warmup: usize, peak: f64, floor: f64
 /// Mean (or weighted mean) token cross-entropy: `logits` (n, V), `labels` (n,) int64; `weights`
 /// (n,) f32 or `None` for equal weights.
 pub fn cross_entropy(logits: &Tensor, labels: &Tensor, weights: Option<&Tensor>) -> Tensor {
-    let log_probs = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
-    let picked = log_probs.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1).neg();
+    let picked = token_cross_entropy(logits, labels);
     match weights {
         Some(w) => (picked * w).sum(Kind::Float) / w.sum(Kind::Float).clamp_min(1e-9),
         None => picked.mean(Kind::Float),
     }
+}
+
+/// The cross-entropy of each row: `logits` `[n, vocab]`, `labels` `[n]` → `[n]` (f32).
+pub fn token_cross_entropy(logits: &Tensor, labels: &Tensor) -> Tensor {
+    let log_probs = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    log_probs.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1).neg()
 }
 
 #[cfg(test)]

@@ -262,8 +262,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         .max_encoding_message_size(64 << 20);
     // Scripts and tests wait for this line.
     println!("drafter-svc listening on {addr}");
+    // Rounds carry tap states; large HTTP/2 windows keep them from waiting on window updates.
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(16 << 20))
         .add_service(health_service)
         .add_service(drafter)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())

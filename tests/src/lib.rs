@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tch::Tensor;
 
+pub mod law_plot;
 pub mod process;
 pub mod suite;
 

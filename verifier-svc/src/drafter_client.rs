@@ -31,6 +31,9 @@ use tokio::sync::mpsc;
 use tonic::transport::channel::Change;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+/// HTTP/2 flow-control window of the drafter hop, both directions (bytes).
+pub const HOP_WINDOW: u32 = 16 << 20;
+
 use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, DraftTree};
 
 /// Largest tap-state payload in one message; a larger prefill context goes as several chunks.
@@ -296,7 +299,14 @@ impl PoolAddress {
     fn endpoint(&self, addr: SocketAddr) -> Result<Endpoint, String> {
         let endpoint =
             Endpoint::from_shared(format!("{}://{addr}", self.scheme)).map_err(|e| e.to_string())?;
-        Ok(endpoint.origin(self.origin.clone()).connect_timeout(Duration::from_secs(2)).tcp_nodelay(true))
+        // Every round sends tap states (the prompt's all at once); HTTP/2's default 64 KiB windows
+        // would stall those sends on window updates.
+        Ok(endpoint
+            .origin(self.origin.clone())
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(HOP_WINDOW))
+            .initial_connection_window_size(Some(HOP_WINDOW)))
     }
 
     /// How errors name one pod.

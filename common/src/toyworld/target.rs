@@ -15,7 +15,7 @@ use super::{sample, tokenizer, Sample, Split, Task};
 use crate::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
 use crate::input::{Prompt, PromptBuilder, PromptOptions};
 use crate::models::{LogitRows, StepInput, TargetModel};
-use crate::train::{cosine_lr, cross_entropy, AdamW};
+use crate::train::{cosine_lr, token_cross_entropy, AdamW};
 use crate::weights::{Checkpoint, RandomInit};
 
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +139,9 @@ pub struct TrainOptions {
     /// Held-out samples per task for the periodic evaluation (0: none until the end).
     pub eval_samples: u64,
     pub eval_every: usize,
+    /// Stop (and save) once every grounded task reaches this held-out exact match at an
+    /// evaluation; `None` trains all `steps`.
+    pub stop_at: Option<f64>,
     pub threads: Option<i32>,
 }
 
@@ -153,13 +156,20 @@ impl Default for TrainOptions {
             weight_decay: 0.01,
             eval_samples: 32,
             eval_every: 500,
+            stop_at: None,
             threads: None,
         }
     }
 }
 
+/// The order tasks are drawn in while training: the grounded tasks, whose answers must be read
+/// exactly, twice as often as the open ones (one cycle per default step of 8 samples).
+const TRAINING_MIX: [Task; 8] =
+    [Task::Caption, Task::Sign, Task::Doc, Task::Chart, Task::Story, Task::Sign, Task::Doc, Task::Chart];
+
 /// One sample made into model inputs: prompt (with image) then answer, and where the answer is.
 struct Encoded {
+    task: Task,
     prompt: Prompt,
     answer: Vec<u32>,
 }
@@ -168,7 +178,7 @@ fn encode(prompts: &PromptBuilder, sample: &Sample) -> Result<Encoded, TrainErro
     let prompt = prompts.build(&sample.messages()).map_err(|e| TrainError::Input(e.to_string()))?;
     let answer = tokenizer::answer_ids(prompts.tokenizer(), &sample.answer)
         .map_err(|e| TrainError::Input(e.to_string()))?;
-    Ok(Encoded { prompt, answer })
+    Ok(Encoded { task: sample.task, prompt, answer })
 }
 
 /// Several samples as one sequence: ids, M-RoPE positions restarting per sample, a
@@ -181,12 +191,15 @@ struct Packed {
     grids: Vec<[i64; 3]>,
     label_rows: Tensor,
     labels: Tensor,
+    /// The task of each label.
+    label_tasks: Vec<Task>,
 }
 
 fn pack(samples: &[Encoded]) -> Packed {
     let (mut ids, mut t, mut h, mut w) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut pixels, mut grids, mut rows, mut labels, mut spans) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut label_tasks = Vec::new();
     for s in samples {
         let start = ids.len() as i64;
         let p = &s.prompt;
@@ -203,6 +216,7 @@ fn pack(samples: &[Encoded]) -> Packed {
             // The row before each answer token predicts it.
             rows.push(start + stream - 1);
             labels.push(token as i64);
+            label_tasks.push(s.task);
         }
         for image in &p.images {
             pixels.extend_from_slice(&image.pixel_values);
@@ -229,11 +243,12 @@ fn pack(samples: &[Encoded]) -> Packed {
         grids,
         label_rows: Tensor::from_slice(&rows),
         labels: Tensor::from_slice(&labels),
+        label_tasks,
     }
 }
 
-/// Mean answer-token cross-entropy of one packed sequence (with gradients).
-fn packed_loss(model: &TargetModel, batch: &Packed) -> Result<Tensor, TrainError> {
+/// The cross-entropy of every answer token of one packed sequence (with gradients).
+fn token_losses(model: &TargetModel, batch: &Packed) -> Result<Tensor, TrainError> {
     let vision = model.encode_images(&batch.pixels, &batch.grids);
     let mut cache = model.new_cache(batch.ids.size()[0] as usize);
     let step = StepInput {
@@ -245,7 +260,34 @@ fn packed_loss(model: &TargetModel, batch: &Packed) -> Result<Tensor, TrainError
         logits: LogitRows::All,
     };
     let logits = model.forward(&step, &mut cache)?.logits.expect("logits were requested");
-    Ok(cross_entropy(&logits.index_select(0, &batch.label_rows), &batch.labels, None))
+    Ok(token_cross_entropy(&logits.index_select(0, &batch.label_rows), &batch.labels))
+}
+
+/// Running mean answer-token loss per task (exponentially smoothed), for the progress lines: the
+/// grounded tasks' loss says how well the target reads long before exact match moves.
+#[derive(Default)]
+struct TaskLosses(Vec<(Task, f64)>);
+
+impl TaskLosses {
+    fn update(&mut self, per_token: &Tensor, tasks: &[Task]) {
+        let values: Vec<f32> = Vec::try_from(per_token.detach()).unwrap_or_default();
+        for task in Task::ALL {
+            let picked: Vec<f32> =
+                values.iter().zip(tasks).filter(|(_, t)| **t == task).map(|(v, _)| *v).collect();
+            if picked.is_empty() {
+                continue;
+            }
+            let mean = picked.iter().map(|&v| v as f64).sum::<f64>() / picked.len() as f64;
+            match self.0.iter_mut().find(|(t, _)| *t == task) {
+                Some((_, s)) => *s = 0.95 * *s + 0.05 * mean,
+                None => self.0.push((task, mean)),
+            }
+        }
+    }
+
+    fn line(&self) -> String {
+        self.0.iter().map(|(t, l)| format!("{} {l:.3}", t.name())).collect::<Vec<_>>().join(" ")
+    }
 }
 
 /// Mean answer-token loss of `samples` packed into one sequence (with gradients): what one
@@ -256,7 +298,7 @@ pub fn batch_loss(
     samples: &[Sample],
 ) -> Result<Tensor, TrainError> {
     let encoded = samples.iter().map(|s| encode(prompts, s)).collect::<Result<Vec<_>, _>>()?;
-    packed_loss(model, &pack(&encoded))
+    Ok(token_losses(model, &pack(&encoded))?.mean(Kind::Float))
 }
 
 /// A trainable model, its input pipeline and its parameters by checkpoint name.
@@ -297,6 +339,67 @@ pub fn evaluate(model: &TargetModel, prompts: &PromptBuilder, seed: u64, per_tas
         .collect()
 }
 
+/// The target's mean next-token entropy (nats) along its own greedy answers, per task, on
+/// held-out samples: how much the image and prompt leave open (low where the answer is read).
+pub fn mean_entropy(
+    model: &TargetModel,
+    prompts: &PromptBuilder,
+    seed: u64,
+    per_task: u64,
+) -> Vec<(Task, f64)> {
+    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+    Task::ALL
+        .iter()
+        .map(|&task| {
+            let (mut sum, mut count) = (0.0, 0usize);
+            for index in 0..per_task {
+                let s = sample(Split::HeldOut, task, seed, index);
+                if let Some(entropies) = answer_entropies(model, prompts, &s, &eos) {
+                    sum += entropies.iter().sum::<f64>();
+                    count += entropies.len();
+                }
+            }
+            (task, sum / count.max(1) as f64)
+        })
+        .collect()
+}
+
+/// The entropy of each next-token distribution that chose the greedy answer to `s`.
+fn answer_entropies(
+    model: &TargetModel,
+    prompts: &PromptBuilder,
+    s: &Sample,
+    eos: &[i64],
+) -> Option<Vec<f64>> {
+    let _no_grad = tch::no_grad_guard();
+    let prompt = prompts.build(&s.messages()).ok()?;
+    let inputs = ModelInputs::from_prompt(&prompt);
+    let params = GreedyParams { max_new_tokens: 80, eos_token_ids: eos, context_limit: 4096 };
+    let answer = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?.tokens;
+    let n = inputs.input_ids.len();
+    let mut cache = model.new_cache(n + answer.len());
+    let first = crate::decode::prefill(model, &inputs, &mut cache).ok()?;
+    let fed = &answer[..answer.len() - 1];
+    let mut rows = vec![first];
+    if !fed.is_empty() {
+        let stream: Vec<i64> = (0..fed.len()).map(|k| (n + k) as i64 + inputs.rope_delta).collect();
+        let positions =
+            Tensor::from_slice(&stream).view([1, -1]).expand([3, fed.len() as i64], false).contiguous();
+        let step = StepInput {
+            token_ids: &Tensor::from_slice(fed),
+            positions: &positions,
+            mask: None,
+            vision: None,
+            taps: &[],
+            logits: LogitRows::All,
+        };
+        rows.push(model.forward(&step, &mut cache).ok()?.logits?);
+    }
+    let log_p = Tensor::cat(&rows, 0).to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let entropy = (log_p.exp() * &log_p).sum_dim_intlist(-1, false, Kind::Float).neg();
+    Vec::<f64>::try_from(entropy.to_kind(Kind::Double)).ok()
+}
+
 /// The model's greedy answer to a sample.
 pub fn answer_of(model: &TargetModel, prompts: &PromptBuilder, s: &Sample, eos: &[i64]) -> Option<String> {
     let prompt = prompts.build(&s.messages()).ok()?;
@@ -324,38 +427,54 @@ pub fn train_target(
     let mut optimizer =
         AdamW::new(named.iter().map(|(_, t)| t.shallow_clone()).collect(), options.weight_decay);
     let started = Instant::now();
-    let mut index = 0u64;
     let mut smoothed = None;
+    let mut task_losses = TaskLosses::default();
+    let mut scores = None;
     for step in 0..options.steps {
-        let batch: Vec<Encoded> = (0..options.pack)
-            .map(|_| {
-                let task = Task::ALL[(index % Task::ALL.len() as u64) as usize];
-                index += 1;
+        let batch: Vec<Encoded> = (0..options.pack as u64)
+            .map(|k| {
+                let index = (step * options.pack) as u64 + k + 1;
+                let task = TRAINING_MIX[((index - 1) % TRAINING_MIX.len() as u64) as usize];
                 encode(&prompts, &sample(Split::Train, task, options.seed, index))
             })
             .collect::<Result<_, _>>()?;
-        let loss = packed_loss(&model, &pack(&batch))?;
+        let packed = pack(&batch);
+        let per_token = token_losses(&model, &packed)?;
+        let loss = per_token.mean(Kind::Float);
         loss.backward();
         optimizer.clip_grad_norm(1.0);
         let lr = cosine_lr(step, options.steps, options.warmup, options.peak_lr, 0.05);
         optimizer.step(lr);
         let value = loss.double_value(&[]);
         smoothed = Some(smoothed.map_or(value, |s: f64| 0.95 * s + 0.05 * value));
+        task_losses.update(&per_token, &packed.label_tasks);
         if step % 50 == 0 || step + 1 == options.steps {
             log(&format!(
-                "step {step:>5}/{} loss {value:.3} (smoothed {:.3}) lr {lr:.2e} {:.0}s",
+                "step {step:>5}/{} loss {value:.3} (smoothed {:.3}; {}) lr {lr:.2e} {:.0}s",
                 options.steps,
                 smoothed.unwrap_or(value),
+                task_losses.line(),
                 started.elapsed().as_secs_f64()
             ));
         }
         if options.eval_samples > 0 && options.eval_every > 0 && (step + 1) % options.eval_every == 0 {
-            let scores = evaluate(&model, &prompts, options.seed, options.eval_samples);
-            log(&format!("eval at step {}: {}", step + 1, format_scores(&scores)));
+            // Saved at every evaluation, so a long run always leaves its latest model behind.
+            save_weights(out_dir, &named)?;
+            let at_step = evaluate(&model, &prompts, options.seed, options.eval_samples);
+            log(&format!("eval at step {}: {}", step + 1, format_scores(&at_step)));
+            let reads = |bar: f64| at_step.iter().filter(|(t, _)| t.is_grounded()).all(|(_, s)| *s >= bar);
+            if options.stop_at.is_some_and(reads) {
+                log(&format!("every grounded task reached the bar at step {}: stopping", step + 1));
+                scores = Some(at_step);
+                break;
+            }
         }
     }
     save_weights(out_dir, &named)?;
-    let scores = evaluate(&model, &prompts, options.seed, options.eval_samples.max(1));
+    let scores = match scores {
+        Some(s) => s,
+        None => evaluate(&model, &prompts, options.seed, options.eval_samples.max(1)),
+    };
     log(&format!("final held-out exact match: {}", format_scores(&scores)));
     Ok(scores)
 }

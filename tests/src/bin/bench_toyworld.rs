@@ -12,6 +12,7 @@ use glance_common::law::{self, Form, Round};
 use glance_common::toyworld::{sample, Split, Task};
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
+use glance_tests::law_plot;
 use glance_tests::process::ServiceProcess;
 use serde_json::json;
 
@@ -38,6 +39,14 @@ struct Args {
     json: PathBuf,
     #[arg(long, default_value = "bench-toyworld.md")]
     markdown: PathBuf,
+    /// libtorch threads of each service (OMP_NUM_THREADS). On a 2-core machine one each keeps the
+    /// verifier's and the drafter's thread pools from spinning against each other, as if each
+    /// service had its own device (as in production).
+    #[arg(long, default_value_t = 1)]
+    threads_per_service: u32,
+    /// The entropy-law decile plot.
+    #[arg(long, default_value = "bench-toyworld-law.png")]
+    plot: PathBuf,
 }
 
 /// Totals of one (task, mode) cell.
@@ -99,16 +108,24 @@ fn request(
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        args.head.to_str().unwrap(),
-        "--target",
-        args.target.to_str().unwrap(),
-    ]);
-    let verifier =
-        ServiceProcess::verifier(&args.target, &["--drafter", &drafter.url, "--max-tree-budget", "256"]);
+    let threads = args.threads_per_service.to_string();
+    let env = [("OMP_NUM_THREADS", threads.as_str())];
+    let drafter = ServiceProcess::drafter_with_env(
+        &[
+            "--kind",
+            "block-head",
+            "--head",
+            args.head.to_str().unwrap(),
+            "--target",
+            args.target.to_str().unwrap(),
+        ],
+        &env,
+    );
+    let verifier = ServiceProcess::verifier_with_env(
+        &args.target,
+        &["--drafter", &drafter.url, "--max-tree-budget", "256"],
+        &env,
+    );
     let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
     let modes = modes(&args.budgets);
     let warm_up = sample(Split::HeldOut, Task::Doc, args.seed, 10_000);
@@ -181,10 +198,12 @@ fn report(
     let mut json_tasks = Vec::new();
     let mut speedups: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut pooled: Vec<Round> = Vec::new();
+    let mut per_task_logs: Vec<(Task, Vec<Round>)> = Vec::new();
     for (t, task) in Task::ALL.iter().enumerate() {
         let ar = cells[&(t, 0)].ms_per_token();
         let logs = law_mode.map(|m| cells[&(t, m)].round_logs.clone()).unwrap_or_default();
         pooled.extend(&logs);
+        per_task_logs.push((*task, logs.clone()));
         let mean_h = logs.iter().map(|r| r.entropy).sum::<f64>() / logs.len().max(1) as f64;
         let lossless = (0..modes.len()).all(|m| cells[&(t, m)].lossless == cells[&(t, m)].prompts);
         md += &format!("| {} | {mean_h:.2} |", task.name());
@@ -211,6 +230,10 @@ fn report(
         md += &format!(" {geo:.2}x |");
     }
     md += " |\n";
+    md += &law_table(&per_task_logs, &pooled);
+    if let Err(e) = plot(&args.plot, &per_task_logs, &pooled) {
+        eprintln!("bench_toyworld: no plot: {e}");
+    }
     let value = json!({"tasks": json_tasks, "pooled_law": law_json(&pooled), "prompts_per_task": args.prompts, "max_new_tokens": args.max_new_tokens});
     (value, md)
 }
@@ -227,4 +250,42 @@ fn law_json(rounds: &[Round]) -> serde_json::Value {
         "finite_horizon": fit(Form::FiniteHorizon),
         "deciles": law::deciles(rounds).iter().map(|d| json!({"entropy": d.entropy, "accepted": d.accepted, "rounds": d.rounds})).collect::<Vec<_>>(),
     })
+}
+
+/// The fitted entropy law per task and pooled (finite-horizon and capped-geometric slopes).
+fn law_table(per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> String {
+    let mut md = String::from(
+        "\n| entropy law | rounds | mean H | b0 / b1 (finite horizon) | R² deciles | b0 / b1 (capped) | Spearman ρ |\n|---|---|---|---|---|---|---|\n",
+    );
+    let rows = per_task.iter().map(|(t, logs)| (t.name(), logs.as_slice())).chain([("pooled", pooled)]);
+    for (name, logs) in rows {
+        let mean_h = logs.iter().map(|r| r.entropy).sum::<f64>() / logs.len().max(1) as f64;
+        let show = |f: Option<law::Fit>| f.map_or("-".to_string(), |f| format!("{:.2} / {:.2}", f.b0, f.b1));
+        let finite = law::fit(Form::FiniteHorizon, logs, 15);
+        let r2 = finite.as_ref().map_or("-".to_string(), |f| format!("{:.2}", f.r2_deciles));
+        md += &format!(
+            "| {name} | {} | {mean_h:.2} | {} | {r2} | {} | {:.2} |\n",
+            logs.len(),
+            show(finite.clone()),
+            show(law::fit(Form::CappedGeometric, logs, 15)),
+            law::spearman(logs)
+        );
+    }
+    md
+}
+
+/// The decile plot: one curve per task and the pooled one, each with its finite-horizon fit.
+fn plot(path: &std::path::Path, per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> Result<(), String> {
+    let named: Vec<(&str, &[Round])> =
+        per_task.iter().map(|(t, l)| (t.name(), l.as_slice())).chain([("pooled", pooled)]).collect();
+    let deciles: Vec<Vec<law::Decile>> = named.iter().map(|(_, l)| law::deciles(l)).collect();
+    let fits: Vec<Option<law::Fit>> =
+        named.iter().map(|(_, l)| law::fit(Form::FiniteHorizon, l, 15)).collect();
+    let series: Vec<law_plot::Series> = named
+        .iter()
+        .zip(&deciles)
+        .zip(&fits)
+        .map(|(((name, _), d), f)| law_plot::Series { name, deciles: d, fit: f.as_ref() })
+        .collect();
+    law_plot::draw(path, "accepted length vs target entropy (toy world, glance tree)", &series, 15)
 }
