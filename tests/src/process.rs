@@ -62,6 +62,13 @@ impl ServiceProcess {
         Self::spawn(command)
     }
 
+    /// Starts a drafter serving the block draft head in `head` for the target in `target`, with
+    /// extra environment variables for the process.
+    pub fn block_head_drafter(head: &Path, target: &Path, envs: &[(&str, &str)]) -> Self {
+        let (head, target) = (head.to_str().expect("utf-8 path"), target.to_str().expect("utf-8 path"));
+        Self::drafter_with_env(&["--kind", "block-head", "--head", head, "--target", target], envs)
+    }
+
     /// Starts a drafter on a fixed address (to restart one where a verifier expects it).
     pub fn drafter_at(addr: &str, args: &[&str]) -> Self {
         let mut command = Command::new(binary("drafter-svc"));

@@ -31,14 +31,7 @@ async fn spec_decode_counters_add_up() {
     let dir = root.join("tiny-qwen3-vl");
     let prompts = suite::build(&dir, 4, 40);
     let head = glance_tests::random_head(&dir, "metrics", 1, 5);
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        head.to_str().unwrap(),
-        "--target",
-        dir.to_str().unwrap(),
-    ]);
+    let drafter = ServiceProcess::block_head_drafter(&head, &dir, &[]);
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url, "--metrics-listen", &listen]);
@@ -301,14 +294,7 @@ async fn round_logs_carry_the_entropy_law_data() {
     let dir = root.join("tiny-qwen2.5-vl");
     let prompts = suite::build(&dir, 2, 30);
     let head = glance_tests::random_head(&dir, "rounds", 1, 5);
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        head.to_str().unwrap(),
-        "--target",
-        dir.to_str().unwrap(),
-    ]);
+    let drafter = ServiceProcess::block_head_drafter(&head, &dir, &[]);
     let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
     let mut client = GenerationClient::connect(verifier.url.clone()).await.unwrap();
     for prompt in &prompts {

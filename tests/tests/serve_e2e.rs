@@ -320,14 +320,7 @@ fn a_drafter_built_for_another_target_is_refused_at_start_up() {
         ..drafter_svc::init::HeadSpec::new(1, 16, 1)
     };
     drafter_svc::init::write_random_head(&other, &head, &spec).unwrap();
-    let head_drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        head.to_str().unwrap(),
-        "--target",
-        other.to_str().unwrap(),
-    ]);
+    let head_drafter = ServiceProcess::block_head_drafter(&head, &other, &[]);
     let model = root.join("tiny-qwen3-vl");
     let refused = refused_start(&["--model", model.to_str().unwrap(), "--drafter", &head_drafter.url]);
     assert!(refused.contains("does not fit this target"), "{refused}");

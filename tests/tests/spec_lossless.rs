@@ -61,7 +61,6 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
     for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl"] {
         let dir = root.join(family);
         let prompts = suite::build(&dir, PROMPTS_PER_FAMILY, NEW_TOKENS);
-        let model = dir.to_str().unwrap();
 
         // Prompt lookup runs inside the verifier.
         let verifier = ServiceProcess::verifier(&dir, &[]);
@@ -75,14 +74,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         drop(verifier);
 
         let head = glance_tests::random_head(&dir, &format!("lossless-{family}"), 2, 7);
-        let drafter = ServiceProcess::drafter(&[
-            "--kind",
-            "block-head",
-            "--head",
-            head.to_str().unwrap(),
-            "--target",
-            model,
-        ]);
+        let drafter = ServiceProcess::block_head_drafter(&head, &dir, &[]);
         let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
         let tree = run_suite(
             &verifier.url,

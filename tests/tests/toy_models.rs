@@ -47,14 +47,7 @@ fn committed_target_reads_its_images() {
 async fn committed_head_drafts_long_blocks_losslessly() {
     let target = models().join("toy-target");
     let head = models().join("toy-head");
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        head.to_str().unwrap(),
-        "--target",
-        target.to_str().unwrap(),
-    ]);
+    let drafter = ServiceProcess::block_head_drafter(&head, &target, &[]);
     let verifier = ServiceProcess::verifier(&target, &["--drafter", &drafter.url]);
     let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
     for (task, min_tau) in MIN_TAU {

@@ -65,14 +65,7 @@ async fn main() {
         out
     });
     let prompts = suite::build(&model, args.prompts, args.max_new_tokens);
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        head.to_str().unwrap(),
-        "--target",
-        model.to_str().unwrap(),
-    ]);
+    let drafter = ServiceProcess::block_head_drafter(&head, &model, &[]);
     let verifier = ServiceProcess::verifier(&model, &["--drafter", &drafter.url]);
     let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
     let modes = [

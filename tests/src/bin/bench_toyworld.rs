@@ -110,17 +110,7 @@ async fn main() {
     let args = Args::parse();
     let threads = args.threads_per_service.to_string();
     let env = [("OMP_NUM_THREADS", threads.as_str())];
-    let drafter = ServiceProcess::drafter_with_env(
-        &[
-            "--kind",
-            "block-head",
-            "--head",
-            args.head.to_str().unwrap(),
-            "--target",
-            args.target.to_str().unwrap(),
-        ],
-        &env,
-    );
+    let drafter = ServiceProcess::block_head_drafter(&args.head, &args.target, &env);
     let verifier = ServiceProcess::verifier_with_env(
         &args.target,
         &["--drafter", &drafter.url, "--max-tree-budget", "256"],
