@@ -175,6 +175,49 @@ pub fn prefill_with_taps(
     Ok((out.logits.expect("logits were requested"), states))
 }
 
+/// A teacher-forced pass over a prompt and a given continuation, in a fresh cache.
+pub struct TeacherForced {
+    /// The prefill's last-row logits (1, vocab): the distribution of the continuation's first token.
+    pub prompt_logits: Tensor,
+    /// The prompt's tap states (prompt, taps·hidden), when taps were asked for.
+    pub prompt_states: Option<Tensor>,
+    /// The continuation's pass (logits per `logits`, taps); `None` for an empty continuation.
+    pub continuation: Option<crate::models::StepOutput>,
+}
+
+/// The prompt's prefill (with its images), then `continuation` in one causal pass at the text
+/// positions after it (a continuation token that happens to be an image placeholder is not taken
+/// for an image).
+pub fn teacher_forced(
+    model: &TargetModel,
+    inputs: &ModelInputs,
+    continuation: &[i64],
+    taps: &[usize],
+    logits: LogitRows,
+) -> Result<TeacherForced, ModelError> {
+    let n = inputs.input_ids.len();
+    let mut cache = model.new_cache(n + continuation.len());
+    let (prompt_logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, taps)?;
+    if continuation.is_empty() {
+        return Ok(TeacherForced { prompt_logits, prompt_states, continuation: None });
+    }
+    let device = model.device();
+    let count = continuation.len() as i64;
+    let start = n as i64 + inputs.rope_delta;
+    let positions =
+        Tensor::arange_start(start, start + count, (Kind::Int64, device)).view([1, count]).repeat([3, 1]);
+    let step = StepInput {
+        token_ids: &Tensor::from_slice(continuation).to_device(device),
+        positions: &positions,
+        mask: None,
+        vision: None,
+        taps,
+        logits,
+    };
+    let continuation = model.forward(&step, &mut cache)?;
+    Ok(TeacherForced { prompt_logits, prompt_states, continuation: Some(continuation) })
+}
+
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
 pub fn argmax_last(logits: &Tensor) -> i64 {
     let rows = logits.size()[0];

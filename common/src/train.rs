@@ -59,11 +59,14 @@ impl AdamW {
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
         let _no_grad = tch::no_grad_guard();
         let grads: Vec<Tensor> = self.params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect();
-        let total: f64 = grads
-            .iter()
-            .map(|g| g.to_kind(Kind::Float).square().sum(Kind::Float).double_value(&[]))
-            .sum::<f64>()
-            .sqrt();
+        // One read of the total (not one per parameter: on CUDA each read is a device sync).
+        let squares: Vec<Tensor> =
+            grads.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double)).collect();
+        let total = if squares.is_empty() {
+            0.0
+        } else {
+            Tensor::stack(&squares, 0).sum(Kind::Double).sqrt().double_value(&[])
+        };
         if total > max_norm && total.is_finite() {
             let scale = max_norm / (total + 1e-6);
             for mut g in grads {

@@ -427,12 +427,8 @@ impl DraftHead {
             ids.extend(std::iter::repeat_n(self.config.mask_token_id, block as usize - 1));
             positions.extend(a..a + block);
         }
-        let ids = Tensor::from_slice(&ids).to_device(self.device);
-        let mut hidden = self.embed.index_select(0, &ids);
-        if self.config.input_embedding_scale != 1.0 {
-            hidden *= self.config.input_embedding_scale;
-        }
-        let (cos, sin) = self.rotary_at(&positions);
+        let mut hidden = self.embed_tokens(&ids);
+        let (cos, sin) = self.rotary_at(Tensor::from_slice(&positions));
         let mask = training_mask(anchors, rows, block, self.kind, self.device);
         for layer in &self.layers {
             hidden = layer.forward_masked(&hidden, &ctx, &cos, &sin, &mask);
@@ -441,9 +437,10 @@ impl DraftHead {
         self.logits(&out)
     }
 
-    /// cos and sin (n, head_dim) for arbitrary 1-D positions.
-    fn rotary_at(&self, positions: &[i64]) -> (Tensor, Tensor) {
-        let positions = Tensor::from_slice(positions).to_device(self.device).to_kind(Kind::Float);
+    /// cos and sin (n, head_dim) for the 1-D int64 `positions` (n,); angles in f32 as
+    /// transformers' Qwen3RotaryEmbedding computes them.
+    fn rotary_at(&self, positions: Tensor) -> (Tensor, Tensor) {
+        let positions = positions.to_device(self.device).to_kind(Kind::Float);
         let freqs = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0);
         let angles = Tensor::cat(&[&freqs, &freqs], -1);
         (angles.cos().to_kind(self.kind), angles.sin().to_kind(self.kind))
@@ -453,8 +450,12 @@ impl DraftHead {
     fn block_embedding(&self, root_token: i64) -> Tensor {
         let mut ids = vec![self.config.mask_token_id; self.config.block_size];
         ids[0] = root_token;
-        let ids = Tensor::from_slice(&ids).to_device(self.device);
-        let embedded = self.embed.index_select(0, &ids);
+        self.embed_tokens(&ids)
+    }
+
+    /// The target's (scaled) input embedding of `ids`, (n, hidden).
+    fn embed_tokens(&self, ids: &[i64]) -> Tensor {
+        let embedded = self.embed.index_select(0, &Tensor::from_slice(ids).to_device(self.device));
         match self.config.input_embedding_scale {
             scale if scale != 1.0 => embedded * scale,
             _ => embedded,
@@ -472,14 +473,9 @@ impl DraftHead {
         logits
     }
 
-    /// cos and sin (n, head_dim) for the 1-D positions `start..start+n`; angles in f32 as
-    /// transformers' Qwen3RotaryEmbedding computes them.
+    /// cos and sin (n, head_dim) for the 1-D positions `start..start+n`.
     fn rotary(&self, start: i64, n: i64) -> (Tensor, Tensor) {
-        let positions =
-            Tensor::arange_start(start, start + n, (Kind::Int64, self.device)).to_kind(Kind::Float);
-        let freqs = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0);
-        let angles = Tensor::cat(&[&freqs, &freqs], -1);
-        (angles.cos().to_kind(self.kind), angles.sin().to_kind(self.kind))
+        self.rotary_at(Tensor::arange_start(start, start + n, (Kind::Int64, self.device)))
     }
 
     pub fn config(&self) -> &DraftHeadConfig {

@@ -88,6 +88,27 @@ struct ServeArgs {
     stall_ms: u64,
 }
 
+/// The shape of a fresh draft head (`init`, and `train` without `--init`).
+#[derive(clap::Args)]
+struct HeadShapeArgs {
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Target layers to read (default: the DFlash rule for the target's depth).
+    #[arg(long, value_delimiter = ',')]
+    taps: Option<Vec<usize>>,
+}
+
+impl HeadShapeArgs {
+    fn spec(self, seed: u64) -> drafter_svc::init::HeadSpec {
+        drafter_svc::init::HeadSpec {
+            tap_layers: self.taps,
+            ..drafter_svc::init::HeadSpec::new(self.layers, self.block_size, seed)
+        }
+    }
+}
+
 #[derive(clap::Args)]
 struct InitArgs {
     /// Target model directory the head is for.
@@ -96,13 +117,8 @@ struct InitArgs {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value_t = 1)]
-    layers: usize,
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    /// Target layers to read (default: the DFlash rule for the target's depth).
-    #[arg(long, value_delimiter = ',')]
-    taps: Option<Vec<usize>>,
+    #[command(flatten)]
+    shape: HeadShapeArgs,
     /// Token id used as the mask (must not be a token the model produces).
     #[arg(long)]
     mask_token_id: Option<i64>,
@@ -149,13 +165,9 @@ struct TrainArgs {
     /// Continue from the state in --out.
     #[arg(long)]
     resume: bool,
-    /// Fresh head: layers, block size, target layers to read.
-    #[arg(long, default_value_t = 1)]
-    layers: usize,
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    #[arg(long, value_delimiter = ',')]
-    taps: Option<Vec<usize>>,
+    /// The fresh head's shape (without --init).
+    #[command(flatten)]
+    shape: HeadShapeArgs,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     #[arg(long, default_value = "cpu")]
@@ -275,11 +287,8 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 }
 
 fn init(args: InitArgs) -> Result<(), String> {
-    let spec = drafter_svc::init::HeadSpec {
-        tap_layers: args.taps,
-        mask_token_id: args.mask_token_id,
-        ..drafter_svc::init::HeadSpec::new(args.layers, args.block_size, args.seed)
-    };
+    let spec =
+        drafter_svc::init::HeadSpec { mask_token_id: args.mask_token_id, ..args.shape.spec(args.seed) };
     drafter_svc::init::write_random_head(&args.target, &args.out, &spec).map_err(|e| e.to_string())?;
     println!("wrote a random draft head to {}", args.out.display());
     Ok(())
@@ -295,10 +304,7 @@ fn train(args: TrainArgs) -> Result<(), String> {
         "toyworld" => DataSource::ToyWorld { seed: args.seed },
         path => DataSource::JsonLines(PathBuf::from(path)),
     };
-    let fresh = drafter_svc::init::HeadSpec {
-        tap_layers: args.taps.clone(),
-        ..drafter_svc::init::HeadSpec::new(args.layers, args.block_size, args.seed)
-    };
+    let fresh = args.shape.spec(args.seed);
     let config = TrainConfig {
         target: args.target,
         out: args.out,

@@ -13,8 +13,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use glance_common::decode::{greedy_generate, prefill_with_taps, GreedyParams, ModelInputs, StepControl};
+use glance_common::decode::{greedy_generate, teacher_forced, GreedyParams, ModelInputs, StepControl};
 use glance_common::input::{ChatMessage, PromptBuilder, PromptOptions};
+use glance_common::models::LogitRows;
 use glance_common::models::TargetModel;
 use glance_common::train::{cosine_lr, cross_entropy, AdamW};
 use glance_common::weights::Checkpoint;
@@ -276,30 +277,13 @@ fn teacher_forced_states(
     response: &[i64],
     taps: &[usize],
 ) -> Result<Tensor, TrainError> {
-    let failed = |e: glance_common::models::ModelError| TrainError::Target(e.to_string());
-    let n = inputs.input_ids.len();
-    let mut cache = target.new_cache(n + response.len());
-    let (_, prompt_states) = prefill_with_taps(target, inputs, &mut cache, taps).map_err(failed)?;
-    let prompt_states = prompt_states.expect("taps were requested");
-    if response.is_empty() {
-        return Ok(prompt_states);
-    }
-    let device = target.device();
-    let ids = Tensor::from_slice(response).to_device(device);
-    let stream: Vec<i64> = (0..response.len()).map(|k| (n + k) as i64 + inputs.rope_delta).collect();
-    let positions =
-        Tensor::from_slice(&stream).view([1, -1]).expand([3, response.len() as i64], false).contiguous();
-    let positions = positions.to_device(device);
-    let step = glance_common::models::StepInput {
-        token_ids: &ids,
-        positions: &positions,
-        mask: None,
-        vision: None,
-        taps,
-        logits: glance_common::models::LogitRows::None,
-    };
-    let out = target.forward(&step, &mut cache).map_err(failed)?;
-    Ok(Tensor::cat(&[prompt_states, Tensor::cat(&out.taps, -1)], 0))
+    let pass = teacher_forced(target, inputs, response, taps, LogitRows::None)
+        .map_err(|e| TrainError::Target(e.to_string()))?;
+    let prompt_states = pass.prompt_states.expect("taps were requested");
+    Ok(match pass.continuation {
+        Some(out) => Tensor::cat(&[prompt_states, Tensor::cat(&out.taps, -1)], 0),
+        None => prompt_states,
+    })
 }
 
 /// The weighted block loss of one row at freshly sampled anchors (None: no response to learn).

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use glance_common::input::{PromptBuilder, PromptOptions};
 use glance_common::models::TargetModel;
 use glance_common::toyworld::target::{
-    evaluate, format_scores, mean_entropy, train_target, TargetSpec, TrainOptions,
+    evaluate_with_entropy, format_scores, train_target, TargetSpec, TrainOptions,
 };
 use glance_common::toyworld::{sample, Split, Task};
 
@@ -103,9 +103,8 @@ fn write_sample(task: Task, index: u64, seed: u64, out: &std::path::Path) -> Res
 fn eval(dir: &std::path::Path, seed: u64, samples: u64) -> Result<(), String> {
     let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).map_err(|e| e.to_string())?;
     let model = TargetModel::load(dir, tch::Kind::Float, tch::Device::Cpu).map_err(|e| e.to_string())?;
-    let scores = evaluate(&model, &prompts, seed, samples);
+    let (scores, entropy) = evaluate_with_entropy(&model, &prompts, seed, samples);
     println!("held-out exact match ({samples} per task): {}", format_scores(&scores));
-    let entropy = mean_entropy(&model, &prompts, seed, samples);
     let line: Vec<String> = entropy.iter().map(|(t, h)| format!("{t} {h:.3}")).collect();
     println!("mean next-token entropy along the greedy answers (nats): {}", line.join(", "));
     Ok(())

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
 use super::{sample, tokenizer, Sample, Split, Task};
-use crate::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
+use crate::decode::{greedy_generate, teacher_forced, GreedyParams, ModelInputs, StepControl};
 use crate::input::{Prompt, PromptBuilder, PromptOptions};
 use crate::models::{LogitRows, StepInput, TargetModel};
 use crate::train::{cosine_lr, token_cross_entropy, AdamW};
@@ -321,42 +321,51 @@ pub fn fresh_target(out_dir: &Path, spec: &TargetSpec, seed: u64) -> Result<Trai
     Ok((model, prompts, named))
 }
 
-/// Exact-match rate and mean answer length per task on held-out samples, greedy decoding.
+/// One figure per task, in [`Task::ALL`] order.
+pub type TaskFigures = Vec<(Task, f64)>;
+
+/// Held-out exact match per task, greedy decoding.
 pub fn evaluate(model: &TargetModel, prompts: &PromptBuilder, seed: u64, per_task: u64) -> Vec<(Task, f64)> {
-    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
-    Task::ALL
-        .iter()
-        .map(|&task| {
-            let mut hits = 0;
-            for index in 0..per_task {
-                let s = sample(Split::HeldOut, task, seed, index);
-                if answer_of(model, prompts, &s, &eos).as_deref() == Some(s.answer.as_str()) {
-                    hits += 1;
-                }
-            }
-            (task, hits as f64 / per_task.max(1) as f64)
-        })
-        .collect()
+    per_task_means(seed, per_task, |s| {
+        let hit = greedy_answer(model, prompts, s).is_some_and(|(_, text)| text == s.answer);
+        Some(vec![f64::from(u8::from(hit))])
+    })
 }
 
-/// The target's mean next-token entropy (nats) along its own greedy answers, per task, on
-/// held-out samples: how much the image and prompt leave open (low where the answer is read).
-pub fn mean_entropy(
+/// Per task: held-out exact match and the target's mean next-token entropy (nats) along its own
+/// greedy answers (how much image and prompt leave open: low where the answer is read). Each
+/// sample is decoded once.
+pub fn evaluate_with_entropy(
     model: &TargetModel,
     prompts: &PromptBuilder,
     seed: u64,
     per_task: u64,
+) -> (TaskFigures, TaskFigures) {
+    // Indexed like Task::ALL (its declaration order).
+    let mut hits = [0u64; Task::ALL.len()];
+    let entropy = per_task_means(seed, per_task, |s| {
+        let (ids, text) = greedy_answer(model, prompts, s)?;
+        hits[s.task as usize] += u64::from(text == s.answer);
+        answer_entropies(model, prompts, s, &ids)
+    });
+    let exact = Task::ALL.iter().map(|&t| (t, hits[t as usize] as f64 / per_task.max(1) as f64)).collect();
+    (exact, entropy)
+}
+
+/// Per task, the mean of all values `per_sample` gives for the first `per_task` held-out samples.
+fn per_task_means(
+    seed: u64,
+    per_task: u64,
+    mut per_sample: impl FnMut(&Sample) -> Option<Vec<f64>>,
 ) -> Vec<(Task, f64)> {
-    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     Task::ALL
         .iter()
         .map(|&task| {
             let (mut sum, mut count) = (0.0, 0usize);
             for index in 0..per_task {
-                let s = sample(Split::HeldOut, task, seed, index);
-                if let Some(entropies) = answer_entropies(model, prompts, &s, &eos) {
-                    sum += entropies.iter().sum::<f64>();
-                    count += entropies.len();
+                if let Some(values) = per_sample(&sample(Split::HeldOut, task, seed, index)) {
+                    sum += values.iter().sum::<f64>();
+                    count += values.len();
                 }
             }
             (task, sum / count.max(1) as f64)
@@ -364,50 +373,33 @@ pub fn mean_entropy(
         .collect()
 }
 
-/// The entropy of each next-token distribution that chose the greedy answer to `s`.
+/// The model's greedy answer to a sample: token ids (with the end token) and text.
+fn greedy_answer(model: &TargetModel, prompts: &PromptBuilder, s: &Sample) -> Option<(Vec<i64>, String)> {
+    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+    let prompt = prompts.build(&s.messages()).ok()?;
+    let inputs = ModelInputs::from_prompt(&prompt);
+    let params = GreedyParams { max_new_tokens: 80, eos_token_ids: &eos, context_limit: 4096 };
+    let ids = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?.tokens;
+    let text = prompts.decode(&ids.iter().map(|&t| t as u32).collect::<Vec<_>>(), true).ok()?;
+    Some((ids, text))
+}
+
+/// The entropy of each next-token distribution that chose `answer` (the greedy answer to `s`).
 fn answer_entropies(
     model: &TargetModel,
     prompts: &PromptBuilder,
     s: &Sample,
-    eos: &[i64],
+    answer: &[i64],
 ) -> Option<Vec<f64>> {
     let _no_grad = tch::no_grad_guard();
-    let prompt = prompts.build(&s.messages()).ok()?;
-    let inputs = ModelInputs::from_prompt(&prompt);
-    let params = GreedyParams { max_new_tokens: 80, eos_token_ids: eos, context_limit: 4096 };
-    let answer = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?.tokens;
-    let n = inputs.input_ids.len();
-    let mut cache = model.new_cache(n + answer.len());
-    let first = crate::decode::prefill(model, &inputs, &mut cache).ok()?;
-    let fed = &answer[..answer.len() - 1];
-    let mut rows = vec![first];
-    if !fed.is_empty() {
-        let stream: Vec<i64> = (0..fed.len()).map(|k| (n + k) as i64 + inputs.rope_delta).collect();
-        let positions =
-            Tensor::from_slice(&stream).view([1, -1]).expand([3, fed.len() as i64], false).contiguous();
-        let step = StepInput {
-            token_ids: &Tensor::from_slice(fed),
-            positions: &positions,
-            mask: None,
-            vision: None,
-            taps: &[],
-            logits: LogitRows::All,
-        };
-        rows.push(model.forward(&step, &mut cache).ok()?.logits?);
-    }
+    let inputs = ModelInputs::from_prompt(&prompts.build(&s.messages()).ok()?);
+    let fed = &answer[..answer.len().saturating_sub(1)];
+    let pass = teacher_forced(model, &inputs, fed, &[], LogitRows::All).ok()?;
+    let mut rows = vec![pass.prompt_logits];
+    rows.extend(pass.continuation.and_then(|out| out.logits));
     let log_p = Tensor::cat(&rows, 0).to_kind(Kind::Float).log_softmax(-1, Kind::Float);
     let entropy = (log_p.exp() * &log_p).sum_dim_intlist(-1, false, Kind::Float).neg();
     Vec::<f64>::try_from(entropy.to_kind(Kind::Double)).ok()
-}
-
-/// The model's greedy answer to a sample.
-pub fn answer_of(model: &TargetModel, prompts: &PromptBuilder, s: &Sample, eos: &[i64]) -> Option<String> {
-    let prompt = prompts.build(&s.messages()).ok()?;
-    let inputs = ModelInputs::from_prompt(&prompt);
-    let params = GreedyParams { max_new_tokens: 80, eos_token_ids: eos, context_limit: 4096 };
-    let generation = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?;
-    let ids: Vec<u32> = generation.tokens.iter().map(|&t| t as u32).collect();
-    prompts.decode(&ids, true).ok()
 }
 
 /// Trains the toy target into `out_dir` (tokenizer, config, weights in bf16). Progress lines go to
@@ -470,10 +462,13 @@ pub fn train_target(
             }
         }
     }
-    save_weights(out_dir, &named)?;
     let scores = match scores {
+        // Saved at the evaluation that stopped the run.
         Some(s) => s,
-        None => evaluate(&model, &prompts, options.seed, options.eval_samples.max(1)),
+        None => {
+            save_weights(out_dir, &named)?;
+            evaluate(&model, &prompts, options.seed, options.eval_samples.max(1))
+        }
     };
     log(&format!("final held-out exact match: {}", format_scores(&scores)));
     Ok(scores)
