@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1.7
 #
-# drafter-svc: the internal glance.v1.Drafter API; runs the draft head on its own device.
+# drafter-svc: the internal glance.drafter.v1.Drafter API; runs the draft head on its own device.
 #
 # Build from the repository root (the context is the Cargo workspace; see .dockerignore):
 #   docker build -f deploy/docker/drafter-svc.Dockerfile -t glance/drafter-svc:dev .
@@ -90,13 +90,13 @@ ENV HOME=/tmp \
 
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="glance drafter-svc" \
-      org.opencontainers.image.description="glance drafter: block-diffusion draft head and candidate trees over gRPC (glance.v1.Drafter)" \
+      org.opencontainers.image.description="glance drafter: block-diffusion draft head and candidate trees over gRPC (glance.drafter.v1.Drafter)" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 
 USER 10001:10001
 WORKDIR /tmp
-# 50061: gRPC (glance.v1.Drafter, grpc.health.v1.Health); 9091: Prometheus /metrics.
+# 50061: gRPC (glance.drafter.v1.Drafter, grpc.health.v1.Health); 9091: Prometheus /metrics.
 EXPOSE 50061 9091
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/drafter-svc"]

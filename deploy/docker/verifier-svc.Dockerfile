@@ -43,7 +43,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=glance-cargo-target \
-    cargo build --release --locked -p verifier-svc --bin verifier-svc --bin glance \
+    cargo build --release --locked -p verifier-svc -p glance-client --bin verifier-svc --bin glance \
  && install -D -m 0755 target/release/verifier-svc /out/usr/local/bin/verifier-svc \
  && install -D -m 0755 target/release/glance /out/usr/local/bin/glance
 

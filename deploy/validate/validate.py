@@ -48,7 +48,7 @@ import yaml
 kv_utils.schema_contents = functools.lru_cache(maxsize=None)(kv_utils.schema_contents)
 
 GPU = "nvidia.com/gpu"
-EXPECTED_READINESS = {"verifier": "glance.v1.Generation", "drafter": "glance.v1.Drafter"}
+EXPECTED_READINESS = {"verifier": "glance.v1.Generation", "drafter": "glance.drafter.v1.Drafter"}
 DEVICE_ENV = {"verifier": "GLANCE_DEVICE", "drafter": "GLANCE_DRAFTER_DEVICE"}
 LISTEN_ENV = {"verifier": "GLANCE_LISTEN", "drafter": "GLANCE_DRAFTER_LISTEN"}
 METRICS_ENV = {"verifier": "GLANCE_METRICS_LISTEN", "drafter": "GLANCE_DRAFTER_METRICS_LISTEN"}

@@ -1,28 +1,18 @@
-//! The production drafting engines behind the service: the GLANCE block head (one draft pass per
-//! round, best-first tree from the per-offset marginals) and prompt lookup.
+//! The GLANCE block-head engine behind the service: one draft pass per round, then the best-first
+//! tree from the per-offset marginals. (Prompt lookup is in `glance_spec::prompt_lookup`.)
 
 use std::path::Path;
 use std::sync::Arc;
 
-use glance_common::kv_cache::KvCache;
-use glance_proto::v1 as pb;
+use glance_models::kv_cache::KvCache;
+use glance_models::TargetConfig;
+use glance_spec::session::{
+    DraftEngine, DraftError, DrafterKind, Handshake, RoundInput, Session, TokenHistory, MAX_TREE_NODES,
+};
+use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
 use tch::{Device, Kind, Tensor};
 
 use crate::head::{DraftHead, HeadError};
-use crate::pld::PromptLookup;
-use crate::session::{DraftEngine, DraftError, RoundInput, Session, TokenHistory, Tree};
-use crate::tree::{build_budget_tree, top_k_log_probs, TreeNode};
-
-/// Most nodes a tree may have, whatever a request asks.
-pub const MAX_TREE_NODES: usize = 1024;
-
-fn to_tree(nodes: &[TreeNode]) -> Tree {
-    let mut tree = Tree::default();
-    for node in nodes {
-        tree.push(node.token as u32, node.parent, node.log_prob as f32);
-    }
-    tree
-}
 
 /// The head shared by concurrent sessions.
 struct SharedHead(DraftHead);
@@ -55,7 +45,8 @@ impl BlockHeadEngine {
         max_context: usize,
     ) -> Result<Self, HeadError> {
         let head = DraftHead::load(head_dir, target_dir, kind, device)?;
-        let fingerprint = glance_common::weights::target_fingerprint(target_dir)?;
+        let fingerprint =
+            glance_models::weights::target_fingerprint(target_dir, &TargetConfig::read(target_dir)?)?;
         Ok(Self::new(head, fingerprint, max_context))
     }
 
@@ -65,18 +56,18 @@ impl BlockHeadEngine {
 }
 
 impl DraftEngine for BlockHeadEngine {
-    fn handshake(&self) -> pb::HandshakeResponse {
+    fn handshake(&self) -> Handshake {
         let head = &self.head;
-        pb::HandshakeResponse {
-            kind: pb::DrafterKind::BlockHead as i32,
-            block_size: head.block_size() as u32,
-            mask_token_id: head.mask_token_id() as u32,
-            tap_layers: head.tap_layers().iter().map(|&l| l as u32).collect(),
-            hidden_size: head.hidden_size() as u32,
-            vocab_size: head.vocab_size() as u32,
-            dtype: glance_common::wire::kind_name(head.kind()).to_string(),
+        Handshake {
+            kind: DrafterKind::BlockHead,
+            block_size: head.block_size(),
+            mask_token_id: head.mask_token_id() as TokenId,
+            tap_layers: head.tap_layers().to_vec(),
+            hidden_size: head.hidden_size() as usize,
+            vocab_size: head.vocab_size() as usize,
+            dtype: head.kind(),
             target_fingerprint: self.fingerprint.clone(),
-            max_tree_nodes: MAX_TREE_NODES as u32,
+            max_tree_nodes: MAX_TREE_NODES,
         }
     }
 
@@ -106,7 +97,7 @@ impl Session for BlockHeadSession {
     fn append_context(
         &mut self,
         first: usize,
-        tokens: &[u32],
+        tokens: &[TokenId],
         states: Option<Tensor>,
     ) -> Result<(), DraftError> {
         let states = states.ok_or_else(|| DraftError::States("the block head needs tap states".into()))?;
@@ -143,70 +134,8 @@ impl Session for BlockHeadSession {
             .head
             .draft(&mut self.cache, &context, round.root_token as i64, round.root_position)
             .map_err(|e| DraftError::Internal(e.to_string()))?;
-        let (ids, log_probs) =
-            top_k_log_probs(&logits, round.branch_k).map_err(|e| DraftError::Internal(e.to_string()))?;
-        let budget = round.budget.min(MAX_TREE_NODES);
-        Ok(to_tree(&build_budget_tree(&ids, &log_probs, budget, round.branch_k)))
-    }
-}
-
-pub struct PromptLookupEngine {
-    lookup: PromptLookup,
-    block_size: usize,
-    vocab_size: u32,
-}
-
-impl PromptLookupEngine {
-    /// Prompt lookup for a target: only its vocabulary size is needed (for the handshake).
-    pub fn for_target(target_dir: &Path, block_size: usize) -> Result<Self, String> {
-        let config = std::fs::read_to_string(target_dir.join("config.json")).map_err(|e| e.to_string())?;
-        let root: serde_json::Value = serde_json::from_str(&config).map_err(|e| e.to_string())?;
-        let vocab = root
-            .get("text_config")
-            .and_then(|t| t.get("vocab_size"))
-            .or_else(|| root.get("vocab_size"))
-            .and_then(serde_json::Value::as_u64)
-            .ok_or("config.json has no vocab_size")?;
-        Ok(Self::new(block_size, vocab as u32))
-    }
-
-    pub fn new(block_size: usize, vocab_size: u32) -> Self {
-        Self { lookup: PromptLookup::new(block_size.saturating_sub(1)), block_size, vocab_size }
-    }
-}
-
-impl DraftEngine for PromptLookupEngine {
-    fn handshake(&self) -> pb::HandshakeResponse {
-        pb::HandshakeResponse {
-            kind: pb::DrafterKind::PromptLookup as i32,
-            block_size: self.block_size as u32,
-            vocab_size: self.vocab_size,
-            dtype: "f32".into(),
-            max_tree_nodes: MAX_TREE_NODES as u32,
-            ..Default::default()
-        }
-    }
-
-    fn new_session(&self) -> Box<dyn Session> {
-        Box::new(PromptLookupSession { lookup: self.lookup.clone(), history: TokenHistory::default() })
-    }
-}
-
-struct PromptLookupSession {
-    lookup: PromptLookup,
-    history: TokenHistory,
-}
-
-impl Session for PromptLookupSession {
-    fn append_context(&mut self, first: usize, tokens: &[u32], _: Option<Tensor>) -> Result<(), DraftError> {
-        self.history.append(first, tokens)
-    }
-
-    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
-        self.history.check_root(round)?;
-        let history: Vec<i64> = self.history.with_root(round.root_token).iter().map(|&t| t as i64).collect();
-        let mut nodes = self.lookup.propose(&history);
-        nodes.truncate(round.budget);
-        Ok(to_tree(&nodes))
+        let marginals =
+            Marginals::top_k(&logits, round.branch_k).map_err(|e| DraftError::Internal(e.to_string()))?;
+        Ok(build_budget_tree(&marginals, round.budget.min(MAX_TREE_NODES), round.branch_k))
     }
 }

@@ -11,9 +11,11 @@
 
 use std::path::Path;
 
-use glance_common::kv_cache::{CacheError, KvCache};
-use glance_common::models::layers::{apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm, SwiGlu};
-use glance_common::weights::{read_named_tensors, Checkpoint, WeightsError};
+use glance_models::config::TargetConfig;
+use glance_models::kv_cache::{CacheError, KvCache};
+use glance_models::layers::{apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm, SwiGlu};
+use glance_models::weights::{read_named_tensors, Checkpoint, WeightsError};
+use glance_models::{ModelError, TextConfig};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
@@ -26,6 +28,8 @@ pub enum HeadError {
     #[error("draft head does not fit the target: {0}")]
     Mismatch(String),
     #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
     Weights(#[from] WeightsError),
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -33,50 +37,10 @@ pub enum HeadError {
     Input(String),
 }
 
-/// What the head needs to know about its target, from the target's `config.json` (the language
-/// model section: `text_config` when present, else the top level).
-#[derive(Clone, Debug, PartialEq)]
-pub struct TargetDims {
-    pub model_type: String,
-    pub hidden_size: i64,
-    pub intermediate_size: i64,
-    pub num_layers: usize,
-    pub num_heads: i64,
-    pub num_kv_heads: i64,
-    pub head_dim: i64,
-    pub vocab_size: i64,
-    pub rms_norm_eps: f64,
-    pub rope_theta: f64,
-    pub tie_word_embeddings: bool,
-}
-
-impl TargetDims {
-    pub fn read(target_dir: &Path) -> Result<Self, HeadError> {
-        let path = target_dir.join("config.json");
-        let root = read_json(&path)?;
-        let section = root.get("text_config").unwrap_or(&root);
-        let view = JsonView::new(section, &path);
-        let hidden_size = view.int("hidden_size")?;
-        let num_heads = view.int("num_attention_heads")?;
-        let tie = root
-            .get("tie_word_embeddings")
-            .or_else(|| section.get("tie_word_embeddings"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
-        Ok(Self {
-            model_type: view.str_or_root(&root, "model_type"),
-            hidden_size,
-            intermediate_size: view.int("intermediate_size")?,
-            num_layers: view.usize("num_hidden_layers")?,
-            num_heads,
-            num_kv_heads: view.int_or("num_key_value_heads", num_heads),
-            head_dim: view.int_or("head_dim", hidden_size / num_heads.max(1)),
-            vocab_size: view.int("vocab_size")?,
-            rms_norm_eps: view.float_or("rms_norm_eps", 1e-6),
-            rope_theta: rope_theta(section).unwrap_or(10000.0),
-            tie_word_embeddings: tie,
-        })
-    }
+/// What the head needs to know about its target: the language model of its `config.json`, as the
+/// target models themselves resolve it.
+pub fn target_text_config(target_dir: &Path) -> Result<TextConfig, HeadError> {
+    Ok(TargetConfig::read(target_dir)?.text_config()?)
 }
 
 /// The head's hyper-parameters, read from its `config.json` as the public DFlash checkpoints spell
@@ -282,7 +246,7 @@ impl DraftHead {
     /// Loads the head from `head_dir` and, from `target_dir`, only the two target tensors it
     /// shares (input embedding and LM head), checking that head and target fit together.
     pub fn load(head_dir: &Path, target_dir: &Path, kind: Kind, device: Device) -> Result<Self, HeadError> {
-        let target = TargetDims::read(target_dir)?;
+        let target = target_text_config(target_dir)?;
         let config = DraftHeadConfig::load(head_dir, Some(target.num_layers))?;
         check_fits_target(&config, &target)?;
         let (embed, lm_head) = load_target_matrices(target_dir, &target, kind, device)?;
@@ -521,7 +485,7 @@ fn weight_prefix(ckpt: &Checkpoint) -> Result<&'static str, HeadError> {
     })
 }
 
-fn check_fits_target(config: &DraftHeadConfig, target: &TargetDims) -> Result<(), HeadError> {
+fn check_fits_target(config: &DraftHeadConfig, target: &TextConfig) -> Result<(), HeadError> {
     if config.hidden_size != target.hidden_size {
         return Err(HeadError::Mismatch(format!(
             "head hidden size {} but target hidden size {}",
@@ -573,7 +537,7 @@ fn check_shared_matrices(
 /// read alone from its checkpoint.
 fn load_target_matrices(
     target_dir: &Path,
-    target: &TargetDims,
+    target: &TextConfig,
     kind: Kind,
     device: Device,
 ) -> Result<(Tensor, Tensor), HeadError> {
@@ -823,10 +787,6 @@ impl<'a> JsonView<'a> {
 
     fn float_or(&self, key: &str, default: f64) -> f64 {
         self.value.get(key).and_then(Value::as_f64).unwrap_or(default)
-    }
-
-    fn str_or_root(&self, root: &Value, key: &str) -> String {
-        root.get(key).or_else(|| self.value.get(key)).and_then(Value::as_str).unwrap_or_default().to_string()
     }
 }
 

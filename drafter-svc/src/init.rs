@@ -5,19 +5,23 @@
 //! Qwen3PreTrainedModel does it: matrices N(0, std), RMSNorm weights 1. Seeded with a private
 //! generator, so the same spec gives the same bytes whatever else runs in the process.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
-use crate::head::{build_target_layer_ids, read_json, DraftHeadConfig, HeadError, TargetDims};
+use glance_models::TextConfig;
+use glance_train::rng::{fnv1a, Rng};
+use glance_train::save::{self, SaveError};
+
+use crate::head::{build_target_layer_ids, read_json, target_text_config, DraftHeadConfig, HeadError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InitError {
     #[error(transparent)]
     Head(#[from] HeadError),
-    #[error("cannot write {path}: {reason}")]
-    Write { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Save(#[from] SaveError),
     #[error("invalid head spec: {0}")]
     Spec(String),
 }
@@ -67,7 +71,7 @@ pub fn write_random_head(
     out_dir: &Path,
     spec: &HeadSpec,
 ) -> Result<DraftHeadConfig, InitError> {
-    let target = TargetDims::read(target_dir)?;
+    let target = target_text_config(target_dir)?;
     check_spec(spec, &target)?;
     let taps =
         spec.tap_layers.clone().unwrap_or_else(|| build_target_layer_ids(target.num_layers, spec.layers));
@@ -88,17 +92,14 @@ pub fn write_random_head(
         )));
     }
     let config = head_config_json(&target, spec, &taps, mask);
-    std::fs::create_dir_all(out_dir).map_err(|e| write_err(out_dir, e))?;
-    let config_path = out_dir.join("config.json");
-    let text = serde_json::to_string_pretty(&config).expect("a JSON value always serializes");
-    std::fs::write(&config_path, text + "\n").map_err(|e| write_err(&config_path, e))?;
-    let weights_path = out_dir.join("model.safetensors");
+    save::create_dir(out_dir)?;
+    save::write_json(&out_dir.join("config.json"), &config)?;
     let tensors = random_weights(&target, spec, taps.len() as i64);
-    Tensor::write_safetensors(&tensors, &weights_path).map_err(|e| write_err(&weights_path, e))?;
+    save::write_safetensors(&out_dir.join("model.safetensors"), &tensors)?;
     Ok(DraftHeadConfig::load(out_dir, Some(target.num_layers))?)
 }
 
-fn check_spec(spec: &HeadSpec, target: &TargetDims) -> Result<(), InitError> {
+fn check_spec(spec: &HeadSpec, target: &TextConfig) -> Result<(), InitError> {
     if spec.layers == 0 || spec.block_size < 2 {
         return Err(InitError::Spec("need at least one layer and a block of at least 2".into()));
     }
@@ -118,10 +119,6 @@ fn check_spec(spec: &HeadSpec, target: &TargetDims) -> Result<(), InitError> {
     Ok(())
 }
 
-fn write_err(path: &Path, e: impl std::fmt::Display) -> InitError {
-    InitError::Write { path: path.to_path_buf(), reason: e.to_string() }
-}
-
 /// The id of `<|vision_pad|>` among the target tokenizer's added tokens.
 fn vision_pad_id(target_dir: &Path) -> Result<i64, InitError> {
     const TOKEN: &str = "<|vision_pad|>";
@@ -136,7 +133,7 @@ fn vision_pad_id(target_dir: &Path) -> Result<i64, InitError> {
 
 /// `config.json` in the spelling of the public DFlash checkpoints (Qwen3Config keys, DFlash's
 /// `block_size` and `dflash_config`).
-fn head_config_json(target: &TargetDims, spec: &HeadSpec, taps: &[usize], mask: i64) -> Value {
+fn head_config_json(target: &TextConfig, spec: &HeadSpec, taps: &[usize], mask: i64) -> Value {
     let dtype = match spec.dtype {
         Kind::BFloat16 => "bfloat16",
         Kind::Half => "float16",
@@ -173,7 +170,7 @@ fn head_config_json(target: &TargetDims, spec: &HeadSpec, taps: &[usize], mask: 
 }
 
 /// Every tensor of the head, by DFlash name, in the stored dtype.
-fn random_weights(target: &TargetDims, spec: &HeadSpec, taps: i64) -> Vec<(String, Tensor)> {
+fn random_weights(target: &TextConfig, spec: &HeadSpec, taps: i64) -> Vec<(String, Tensor)> {
     let d = target.hidden_size;
     let inter = spec.intermediate_size.unwrap_or(target.intermediate_size);
     let q_dim = target.num_heads * target.head_dim;
@@ -216,61 +213,7 @@ fn random_weights(target: &TargetDims, spec: &HeadSpec, taps: i64) -> Vec<(Strin
 /// depend on which others exist.
 fn normal_matrix(name: &str, shape: &[i64], spec: &HeadSpec) -> Tensor {
     let count: i64 = shape.iter().product();
-    let mut rng = SplitMix64::new(spec.seed ^ name_hash(name));
+    let mut rng = Rng::new(spec.seed ^ fnv1a(name.as_bytes()));
     let values: Vec<f32> = (0..count).map(|_| (rng.standard_normal() * spec.init_std) as f32).collect();
     Tensor::from_slice(&values).view(shape)
-}
-
-/// FNV-1a of the name: a stable per-tensor seed offset.
-fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
-/// SplitMix64 (Steele et al.): tiny, fast, and enough for initial weights.
-struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1]: never 0, so the logarithm below is finite.
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Box–Muller (one of the pair; simplicity over speed).
-    fn standard_normal(&mut self) -> f64 {
-        let (u1, u2) = (self.uniform(), self.uniform());
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn normal_stream_is_deterministic_and_sane() {
-        let mut a = SplitMix64::new(7);
-        let mut b = SplitMix64::new(7);
-        let xs: Vec<f64> = (0..20000).map(|_| a.standard_normal()).collect();
-        let ys: Vec<f64> = (0..20000).map(|_| b.standard_normal()).collect();
-        assert_eq!(xs, ys);
-        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
-        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
-        assert!(mean.abs() < 0.03, "mean {mean}");
-        assert!((var - 1.0).abs() < 0.05, "variance {var}");
-        assert_ne!(name_hash("fc.weight"), name_hash("norm.weight"));
-    }
 }

@@ -3,10 +3,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use drafter_svc::session::DraftEngine;
 use drafter_svc::{engines, service::DrafterService, testing};
-use glance_common::weights::{parse_device, parse_kind};
-use glance_proto::v1 as pb;
+use glance_models::weights::{parse_device, parse_kind};
+use glance_models::TargetConfig;
+use glance_proto::drafter::v1 as pb;
+use glance_spec::prompt_lookup::PromptLookupEngine;
+use glance_spec::session::DraftEngine;
 use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -178,7 +180,7 @@ struct TrainArgs {
 
 #[tokio::main]
 async fn main() {
-    let telemetry = match glance_common::telemetry::init("drafter-svc") {
+    let telemetry = match glance_telemetry::init("drafter-svc") {
         Ok(t) => t,
         Err(e) => {
             eprintln!("drafter-svc: {e}");
@@ -225,10 +227,8 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
         }
         Kind_::PromptLookup => {
             let target = need(&args.target, "--target")?;
-            Box::new(
-                engines::PromptLookupEngine::for_target(&target, args.block_size)
-                    .map_err(|e| e.to_string())?,
-            )
+            let config = TargetConfig::read(&target).map_err(|e| e.to_string())?;
+            Box::new(PromptLookupEngine::new(args.block_size, config.text.vocab_size as usize))
         }
         Kind_::TestOracle => {
             let file = need(&args.oracle_file, "--oracle-file")?;
@@ -259,8 +259,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             .metrics_listen
             .parse()
             .map_err(|e| format!("--metrics-listen {}: {e}", args.metrics_listen))?;
-        glance_common::telemetry::serve_metrics(addr, &drafter_svc::metrics::buckets())
-            .map_err(|e| e.to_string())?;
+        glance_telemetry::serve_metrics(addr, &drafter_svc::metrics::buckets()).map_err(|e| e.to_string())?;
         drafter_svc::metrics::describe();
     }
     let engine: Arc<dyn DraftEngine> = Arc::from(build_engine(&args, device, kind)?);
@@ -274,11 +273,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         .max_encoding_message_size(64 << 20);
     // Scripts and tests wait for this line.
     println!("drafter-svc listening on {addr}");
-    // Rounds carry tap states; large HTTP/2 windows keep them from waiting on window updates.
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .initial_stream_window_size(Some(16 << 20))
-        .initial_connection_window_size(Some(16 << 20))
+        .initial_stream_window_size(Some(glance_proto::drafter::HOP_WINDOW))
+        .initial_connection_window_size(Some(glance_proto::drafter::HOP_WINDOW))
         .add_service(health_service)
         .add_service(drafter)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())

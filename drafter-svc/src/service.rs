@@ -1,18 +1,19 @@
-//! The internal `glance.v1.Drafter` gRPC service: a handshake that states what this drafter is
+//! The internal `glance.drafter.v1.Drafter` gRPC service: a handshake that states what this drafter is
 //! (and refuses a verifier whose target it was not built for), and one bidirectional stream per
 //! generation whose session runs on its own thread.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use glance_proto::v1 as pb;
+use glance_codec as codec;
+use glance_proto::drafter::v1 as pb;
+use glance_spec::session::{DraftEngine, DraftError, RoundInput, Session};
 use tch::Device;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics as names;
-use crate::session::{DraftEngine, DraftError, RoundInput, Session};
 
 pub struct DrafterService {
     engine: Arc<dyn DraftEngine>,
@@ -26,15 +27,14 @@ impl DrafterService {
     }
 }
 
-impl From<DraftError> for Status {
-    fn from(e: DraftError) -> Self {
-        match e {
-            DraftError::ContextGap { .. } | DraftError::RootPosition { .. } | DraftError::States(_) => {
-                Status::invalid_argument(e.to_string())
-            }
-            DraftError::Capacity(_) => Status::resource_exhausted(e.to_string()),
-            DraftError::Internal(_) => Status::internal(e.to_string()),
+/// The gRPC status of a failed round.
+fn status_of(e: DraftError) -> Status {
+    match e {
+        DraftError::ContextGap { .. } | DraftError::RootPosition { .. } | DraftError::States(_) => {
+            Status::invalid_argument(e.to_string())
         }
+        DraftError::Capacity(_) => Status::resource_exhausted(e.to_string()),
+        DraftError::Internal(_) => Status::internal(e.to_string()),
     }
 }
 
@@ -52,7 +52,7 @@ impl pb::drafter_server::Drafter for DrafterService {
                 ours.target_fingerprint
             )));
         }
-        Ok(Response::new(ours))
+        Ok(Response::new(codec::handshake_response(ours)))
     }
 
     type DraftStream = ReceiverStream<Result<pb::DraftResponse, Status>>;
@@ -63,7 +63,7 @@ impl pb::drafter_server::Drafter for DrafterService {
     ) -> Result<Response<Self::DraftStream>, Status> {
         // The session's spans join the verifier's trace (traceparent in the stream's metadata).
         let span = tracing::info_span!("draft_session");
-        glance_common::telemetry::continue_trace(&span, request.metadata());
+        glance_telemetry::continue_trace(&span, request.metadata());
         let mut inbound = request.into_inner();
         let (replies, stream) = mpsc::channel(4);
         let (work, queue) = std::sync::mpsc::channel::<pb::DraftRequest>();
@@ -149,10 +149,9 @@ fn handle(
     let started = Instant::now();
     if let Some(context) = message.context {
         let states = match &context.states {
-            Some(data) => Some(
-                glance_common::wire::decode(data, device)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
-            ),
+            Some(data) => {
+                Some(codec::decode(data, device).map_err(|e| Status::invalid_argument(e.to_string()))?)
+            }
             None => None,
         };
         if let Some(states) = &states {
@@ -164,7 +163,9 @@ fn handle(
                 )));
             }
         }
-        session.append_context(context.first_position as usize, &context.tokens, states)?;
+        session
+            .append_context(context.first_position as usize, &context.tokens, states)
+            .map_err(status_of)?;
     }
     let Some(round) = message.round else {
         return Ok(None);
@@ -175,12 +176,6 @@ fn handle(
         budget: round.tree_budget.max(1) as usize,
         branch_k: round.branch_k.max(1) as usize,
     };
-    let tree = session.draft(&input)?;
-    Ok(Some(pb::DraftResponse {
-        tokens: tree.tokens,
-        parents: tree.parents,
-        depths: tree.depths,
-        log_probs: tree.log_probs,
-        draft_ms: started.elapsed().as_secs_f64() * 1e3,
-    }))
+    let tree = session.draft(&input).map_err(status_of)?;
+    Ok(Some(codec::tree_response(tree, started.elapsed().as_secs_f64() * 1e3)))
 }

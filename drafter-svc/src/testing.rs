@@ -7,51 +7,17 @@
 
 use std::sync::Arc;
 
-use glance_proto::v1 as pb;
 use tch::Tensor;
 
-use crate::session::{DraftEngine, DraftError, RoundInput, Session, TokenHistory, Tree};
-
-/// SplitMix64: a tiny seeded generator, enough for test trees.
-#[derive(Clone)]
-pub struct SplitMix(u64);
-
-impl SplitMix {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-}
-
-/// Common handshake fields of the test drafters.
-fn handshake(kind: pb::DrafterKind, block_size: u32, vocab_size: u32) -> pb::HandshakeResponse {
-    pb::HandshakeResponse {
-        kind: kind as i32,
-        block_size,
-        mask_token_id: 0,
-        tap_layers: vec![],
-        hidden_size: 0,
-        vocab_size,
-        dtype: "f32".into(),
-        target_fingerprint: String::new(),
-        max_tree_nodes: 1024,
-    }
-}
+use glance_spec::session::{
+    DraftEngine, DraftError, DrafterKind, Handshake, RoundInput, Session, TokenHistory,
+};
+use glance_spec::tree::{TokenId, Tree};
+use glance_train::rng::Rng;
 
 pub struct OracleEngine {
     /// Full sequences: prompt tokens followed by the greedy output.
-    sequences: Arc<Vec<Vec<u32>>>,
+    sequences: Arc<Vec<Vec<TokenId>>>,
     block_size: usize,
     vocab_size: u32,
     seed: u64,
@@ -60,14 +26,14 @@ pub struct OracleEngine {
 impl OracleEngine {
     /// `sequences_json`: a JSON array of token arrays (prompt + greedy continuation).
     pub fn from_json(text: &str, block_size: usize, vocab_size: u32, seed: u64) -> Result<Self, String> {
-        let sequences: Vec<Vec<u32>> = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let sequences: Vec<Vec<TokenId>> = serde_json::from_str(text).map_err(|e| e.to_string())?;
         Ok(Self { sequences: Arc::new(sequences), block_size, vocab_size, seed })
     }
 }
 
 impl DraftEngine for OracleEngine {
-    fn handshake(&self) -> pb::HandshakeResponse {
-        handshake(pb::DrafterKind::TestOracle, self.block_size as u32, self.vocab_size)
+    fn handshake(&self) -> Handshake {
+        Handshake::stateless(DrafterKind::TestOracle, self.block_size, self.vocab_size as usize)
     }
 
     fn new_session(&self) -> Box<dyn Session> {
@@ -76,28 +42,33 @@ impl DraftEngine for OracleEngine {
             history: TokenHistory::default(),
             block_size: self.block_size,
             vocab_size: self.vocab_size,
-            rng: SplitMix::new(self.seed),
+            rng: Rng::new(self.seed),
         })
     }
 }
 
 struct OracleSession {
-    sequences: Arc<Vec<Vec<u32>>>,
+    sequences: Arc<Vec<Vec<TokenId>>>,
     history: TokenHistory,
     block_size: usize,
     vocab_size: u32,
-    rng: SplitMix,
+    rng: Rng,
 }
 
 impl Session for OracleSession {
-    fn append_context(&mut self, first: usize, tokens: &[u32], _: Option<Tensor>) -> Result<(), DraftError> {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[TokenId],
+        _: Option<Tensor>,
+    ) -> Result<(), DraftError> {
         self.history.append(first, tokens)
     }
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
         let sequence = self.history.with_root(round.root_token);
-        let truth: Vec<u32> = self
+        let truth: Vec<TokenId> = self
             .sequences
             .iter()
             .find(|s| s.len() > sequence.len() && s.starts_with(&sequence))
@@ -112,9 +83,9 @@ impl Session for OracleSession {
             spine.push(parent);
         }
         while tree.len() < round.budget && !spine.is_empty() {
-            let at = spine[self.rng.below(spine.len() as u64) as usize];
+            let at = *self.rng.pick(&spine);
             let parent = tree.parents[at as usize];
-            let token = self.rng.below(self.vocab_size as u64) as u32;
+            let token = self.rng.below(self.vocab_size.max(1) as usize) as TokenId;
             if token != tree.tokens[at as usize] {
                 tree.push(token, parent, -5.0);
             }
@@ -140,8 +111,8 @@ impl GarbageEngine {
 }
 
 impl DraftEngine for GarbageEngine {
-    fn handshake(&self) -> pb::HandshakeResponse {
-        handshake(pb::DrafterKind::TestGarbage, self.block_size as u32, self.vocab_size)
+    fn handshake(&self) -> Handshake {
+        Handshake::stateless(DrafterKind::TestGarbage, self.block_size, self.vocab_size as usize)
     }
 
     fn new_session(&self) -> Box<dyn Session> {
@@ -150,7 +121,7 @@ impl DraftEngine for GarbageEngine {
             block_size: self.block_size,
             vocab_size: self.vocab_size,
             malformed_rate: self.malformed_rate,
-            rng: SplitMix::new(self.seed),
+            rng: Rng::new(self.seed),
         })
     }
 }
@@ -160,28 +131,32 @@ struct GarbageSession {
     block_size: usize,
     vocab_size: u32,
     malformed_rate: f64,
-    rng: SplitMix,
+    rng: Rng,
 }
 
 impl Session for GarbageSession {
-    fn append_context(&mut self, first: usize, tokens: &[u32], _: Option<Tensor>) -> Result<(), DraftError> {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[TokenId],
+        _: Option<Tensor>,
+    ) -> Result<(), DraftError> {
         self.history.append(first, tokens)
     }
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
         let mut tree = Tree::default();
-        let nodes = 1 + self.rng.below(round.budget.max(1) as u64) as usize;
+        let nodes = 1 + self.rng.below(round.budget.max(1));
         for i in 0..nodes {
-            let parent = if i == 0 { -1 } else { self.rng.below(i as u64 + 1) as i32 - 1 };
+            let parent = if i == 0 { -1 } else { self.rng.below(i + 1) as i32 - 1 };
             if parent >= 0 && tree.depths[parent as usize] as usize >= self.block_size - 1 {
                 continue;
             }
-            let token = self.rng.below(self.vocab_size as u64) as u32;
+            let token = self.rng.below(self.vocab_size.max(1) as usize) as TokenId;
             tree.push(token, parent, -1.0);
         }
-        let roll = (self.rng.next_u64() % 1_000_000) as f64 / 1_000_000.0;
-        if roll < self.malformed_rate {
+        if self.rng.uniform() <= self.malformed_rate {
             self.break_tree(&mut tree, round.budget);
         }
         Ok(tree)
@@ -211,7 +186,7 @@ pub struct StallingEngine {
 }
 
 impl DraftEngine for StallingEngine {
-    fn handshake(&self) -> pb::HandshakeResponse {
+    fn handshake(&self) -> Handshake {
         self.inner.handshake()
     }
 
@@ -236,7 +211,7 @@ impl Session for StallingSession {
     fn append_context(
         &mut self,
         first: usize,
-        tokens: &[u32],
+        tokens: &[TokenId],
         states: Option<Tensor>,
     ) -> Result<(), DraftError> {
         self.inner.append_context(first, tokens, states)

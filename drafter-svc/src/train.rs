@@ -13,18 +13,19 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use glance_common::decode::{greedy_generate, teacher_forced, GreedyParams, ModelInputs, StepControl};
-use glance_common::input::{ChatMessage, PromptBuilder, PromptOptions};
-use glance_common::models::LogitRows;
-use glance_common::models::TargetModel;
-use glance_common::train::{cosine_lr, cross_entropy, AdamW};
-use glance_common::weights::Checkpoint;
+use glance_input::{ChatMessage, PromptBuilder, PromptOptions};
+use glance_models::decode::{greedy_generate, teacher_forced, GreedyParams, ModelInputs, StepControl};
+use glance_models::weights::Checkpoint;
+use glance_models::LogitRows;
+use glance_models::TargetModel;
+use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
+use glance_train::rng::Rng;
+use glance_train::save::{self, SaveError};
+use glance_train::{cosine_lr, cross_entropy, AdamW};
 use tch::{Device, Kind, Tensor};
 
 use crate::head::{DraftHead, DraftHeadConfig, HeadError};
 use crate::init::{write_random_head, HeadSpec};
-use crate::testing::SplitMix;
-use crate::tree::{build_budget_tree, top_k_log_probs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -34,8 +35,8 @@ pub enum TrainError {
     Target(String),
     #[error("data: {0}")]
     Data(String),
-    #[error("writing {path}: {reason}")]
-    Write { path: String, reason: String },
+    #[error(transparent)]
+    Save(#[from] SaveError),
 }
 
 /// Where the training prompts come from.
@@ -124,7 +125,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
     let first_step = if config.resume { restore_state(&config.out, &named, &mut optimizer)? } else { 0 };
     let warmup = ((config.steps as f64) * config.warmup_ratio).ceil() as usize;
     let bar = progress_bar(config.steps, first_step);
-    let mut rng = SplitMix::new(config.seed ^ 0x5EED);
+    let mut rng = Rng::new(config.seed ^ 0x5EED);
     // Skip the randomness the resumed steps consumed, so a resumed run continues identically.
     for _ in 0..first_step {
         rng.next_u64();
@@ -133,7 +134,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
     let mut smoothed = None;
     let started = Instant::now();
     for step in first_step..config.steps {
-        let row = &train_rows[rng.below(train_rows.len() as u64) as usize];
+        let row = rng.pick(&train_rows);
         let Some(loss) = row_loss(&head, row, config, &mut rng) else { continue };
         loss.backward();
         optimizer.clip_grad_norm(1.0);
@@ -207,7 +208,7 @@ fn prompts_of(
 ) -> Result<Vec<Vec<ChatMessage>>, TrainError> {
     match source {
         DataSource::ToyWorld { seed } => {
-            use glance_common::toyworld::{sample, Split, Task};
+            use glance_toyworld::{sample, Split, Task};
             let split = if held_out { Split::HeldOut } else { Split::Train };
             Ok((0..count as u64)
                 .map(|i| {
@@ -221,7 +222,7 @@ fn prompts_of(
 
 /// JSON lines: the first `count` non-held-out lines, or (held out) every tenth line.
 fn json_lines(path: &Path, held_out: bool, count: usize) -> Result<Vec<Vec<ChatMessage>>, TrainError> {
-    use glance_common::input::ContentPart;
+    use glance_input::ContentPart;
     let text =
         std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
     let base = path.parent().unwrap_or(Path::new("."));
@@ -287,7 +288,7 @@ fn teacher_forced_states(
 }
 
 /// The weighted block loss of one row at freshly sampled anchors (None: no response to learn).
-fn row_loss(head: &DraftHead, row: &Row, config: &TrainConfig, rng: &mut SplitMix) -> Option<Tensor> {
+fn row_loss(head: &DraftHead, row: &Row, config: &TrainConfig, rng: &mut Rng) -> Option<Tensor> {
     let n = row.tokens.len();
     // An anchor needs at least one label after it.
     let mut pool: Vec<usize> = (row.response_start.saturating_sub(1)..n.saturating_sub(1)).collect();
@@ -296,7 +297,7 @@ fn row_loss(head: &DraftHead, row: &Row, config: &TrainConfig, rng: &mut SplitMi
     }
     let mut anchors: Vec<i64> = Vec::new();
     while anchors.len() < config.anchors && !pool.is_empty() {
-        let pick = pool.swap_remove(rng.below(pool.len() as u64) as usize);
+        let pick = pool.swap_remove(rng.below(pool.len()));
         anchors.push(pick as i64);
     }
     anchors.sort_unstable();
@@ -337,7 +338,7 @@ pub fn row_for(
     let _no_grad = tch::no_grad_guard();
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     let prompt = prompts.build(messages).map_err(|e| TrainError::Data(e.to_string()))?;
-    let inputs = ModelInputs::from_prompt(&prompt);
+    let inputs = prompt.model_inputs();
     let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
     let generation = greedy_generate(target, &inputs, &params, |_| StepControl::Continue)
         .map_err(|e| TrainError::Target(e.to_string()))?;
@@ -361,10 +362,13 @@ pub fn acceptance(head: &DraftHead, rows: &[Row]) -> Acceptance {
             let tokens: Vec<i64> = batch.iter().map(|&a| row.tokens[a as usize]).collect();
             let logits = head.forward_train(&row.states, batch, &tokens);
             for (i, &a) in batch.iter().enumerate() {
-                let truth: Vec<i64> = row.tokens[(a as usize + 1)..n.min(a as usize + block)].to_vec();
-                let Ok((ids, logp)) = top_k_log_probs(&logits.get(i as i64), 8) else { continue };
-                chain += ids.iter().zip(&truth).take_while(|(top, t)| top[0] == **t).count() + 1;
-                tree += accepted_in_tree(&build_budget_tree(&ids, &logp, 31, 8), &truth) + 1;
+                let truth: Vec<TokenId> = row.tokens[(a as usize + 1)..n.min(a as usize + block)]
+                    .iter()
+                    .map(|&t| t as TokenId)
+                    .collect();
+                let Ok(marginals) = Marginals::top_k(&logits.get(i as i64), 8) else { continue };
+                chain += marginals.ids.iter().zip(&truth).take_while(|(top, t)| top[0] == **t).count() + 1;
+                tree += accepted_in_tree(&build_budget_tree(&marginals, 31, 8), &truth) + 1;
                 anchors += 1;
             }
         }
@@ -373,20 +377,13 @@ pub fn acceptance(head: &DraftHead, rows: &[Row]) -> Acceptance {
     Acceptance { chain_tau: mean(chain), tree_tau: mean(tree), anchors }
 }
 
-/// How deep the true continuation goes into the tree (the acceptance walk with a perfect target).
-fn accepted_in_tree(nodes: &[crate::tree::TreeNode], truth: &[i64]) -> usize {
-    let mut parent = -1i32;
-    let mut depth = 0;
-    while depth < truth.len() {
-        match nodes.iter().position(|n| n.parent == parent && n.token == truth[depth]) {
-            Some(i) => {
-                parent = i as i32;
-                depth += 1;
-            }
-            None => break,
-        }
-    }
-    depth
+/// How deep the true continuation goes into the tree: the acceptance walk with a target that
+/// always chooses the truth (past its end, nothing matches).
+fn accepted_in_tree(tree: &Tree, truth: &[TokenId]) -> usize {
+    let choice = |depth: usize| truth.get(depth).copied().unwrap_or(TokenId::MAX);
+    let choices: Vec<TokenId> =
+        std::iter::once(choice(0)).chain(tree.depths.iter().map(|&d| choice(d as usize))).collect();
+    tree.accepted_path(&choices).0.len()
 }
 
 /// Writes the head (DFlash layout: config.json + model.safetensors) and the optimizer state.
@@ -398,15 +395,13 @@ fn save(
     step: usize,
 ) -> Result<(), TrainError> {
     let _no_grad = tch::no_grad_guard();
-    std::fs::create_dir_all(out).map_err(|e| write_err(out, e))?;
+    save::create_dir(out)?;
     if head_dir != out {
-        std::fs::copy(head_dir.join("config.json"), out.join("config.json"))
-            .map_err(|e| write_err(out, e))?;
+        save::copy_file(&head_dir.join("config.json"), &out.join("config.json"))?;
     }
     let weights: Vec<(String, Tensor)> =
         named.iter().map(|(n, t)| (n.clone(), t.detach().contiguous())).collect();
-    let path = out.join("model.safetensors");
-    Tensor::write_safetensors(&weights, &path).map_err(|e| write_err(&path, e))?;
+    save::write_safetensors(&out.join("model.safetensors"), &weights)?;
     let (first, second) = optimizer.moments();
     let mut state: Vec<(String, Tensor)> = Vec::new();
     for (((name, _), m), v) in named.iter().zip(first).zip(second) {
@@ -414,8 +409,7 @@ fn save(
         state.push((format!("adam.v.{name}"), v.shallow_clone()));
     }
     state.push(("step".into(), Tensor::from_slice(&[step as i64])));
-    let path = out.join("train_state.safetensors");
-    Tensor::write_safetensors(&state, &path).map_err(|e| write_err(&path, e))
+    Ok(save::write_safetensors(&out.join("train_state.safetensors"), &state)?)
 }
 
 /// Restores the optimizer from `out/train_state.safetensors`; returns the step to continue from.
@@ -433,8 +427,4 @@ fn restore_state(out: &Path, named: &[(String, Tensor)], optimizer: &mut AdamW) 
     let step = get("step")?.int64_value(&[0]);
     optimizer.restore(step, first, second);
     Ok(step as usize)
-}
-
-fn write_err(path: &Path, e: impl std::fmt::Display) -> TrainError {
-    TrainError::Write { path: path.display().to_string(), reason: e.to_string() }
 }

@@ -1,6 +1,6 @@
 //! Random heads from `init::write_random_head` on the tiny targets: deterministic bytes, loadable,
 //! and a draft cache that gives the same logits however the context is split across calls. Also
-//! the selective tensor reader and the target fingerprint of `glance_common::weights`.
+//! the selective tensor reader and the target fingerprint of `glance_models::weights`.
 //!
 //! Needs the tiny targets of `tests/reference/make_reference.py` under `$GLANCE_FIXTURES` (else
 //! `<workspace>/tests/fixtures`); skipped when absent unless `GLANCE_REQUIRE_FIXTURES=1`.
@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use drafter_svc::head::DraftHead;
 use drafter_svc::init::{write_random_head, HeadSpec, InitError};
-use glance_common::models::TargetModel;
-use glance_common::weights::{read_named_tensors, target_fingerprint};
+use glance_models::weights::{read_named_tensors, target_fingerprint};
+use glance_models::TargetConfig;
+use glance_models::TargetModel;
 use tch::{Device, Kind, Tensor};
 
 const QWEN3: &str = "tiny-qwen3-vl";
@@ -170,13 +171,17 @@ fn fingerprint_identifies_the_target() -> Result<()> {
     let Some(root) = fixture_root() else {
         return Ok(());
     };
-    let qwen3 = target_fingerprint(&root.join(QWEN3))?;
+    let fingerprint = |name: &str| -> Result<String> {
+        let dir = root.join(name);
+        Ok(target_fingerprint(&dir, &TargetConfig::read(&dir)?)?)
+    };
+    let qwen3 = fingerprint(QWEN3)?;
     assert_eq!(qwen3.len(), 16);
-    assert_eq!(qwen3, target_fingerprint(&root.join(QWEN3))?);
-    assert_ne!(qwen3, target_fingerprint(&root.join(QWEN25))?);
+    assert_eq!(qwen3, fingerprint(QWEN3)?);
+    assert_ne!(qwen3, fingerprint(QWEN25)?);
     if root.join(QWEN3_LEGACY).is_dir() {
-        assert_eq!(qwen3, target_fingerprint(&root.join(QWEN3_LEGACY))?);
+        assert_eq!(qwen3, fingerprint(QWEN3_LEGACY)?);
     }
-    assert!(target_fingerprint(&root.join("no-such-model")).is_err());
+    assert!(fingerprint("no-such-model").is_err());
     Ok(())
 }

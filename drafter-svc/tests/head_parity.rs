@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use drafter_svc::head::{DraftHead, DraftHeadConfig, HeadError};
-use glance_common::models::TargetModel;
+use glance_models::TargetModel;
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use drafter_svc::head::{DraftHead, DraftHeadConfig};
 use drafter_svc::init::HeadSpec;
 use drafter_svc::train::{block_loss, row_for, train, DataSource, TrainConfig};
-use glance_common::input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
-use glance_common::models::TargetModel;
-use glance_common::train::AdamW;
-use glance_common::weights::Checkpoint;
+use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
+use glance_models::weights::Checkpoint;
+use glance_models::TargetModel;
+use glance_train::AdamW;
 use tch::{Device, Kind};
 
 fn target_dir() -> Option<PathBuf> {
@@ -93,7 +93,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     // The output is a DFlash-layout head the service loads unchanged.
     let engine =
         drafter_svc::engines::BlockHeadEngine::load(&out, &dir, Kind::Float, Device::Cpu, 4096).unwrap();
-    use drafter_svc::session::{DraftEngine, RoundInput};
+    use glance_spec::session::{DraftEngine, RoundInput};
     let mut session = engine.new_session();
     let states = tch::Tensor::zeros([5, 3 * 64], (Kind::Float, Device::Cpu));
     session.append_context(0, &[1, 2, 3, 4, 5], Some(states)).unwrap();

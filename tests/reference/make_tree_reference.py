@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Expected candidate trees for drafter-svc's `build_budget_tree`, from a plain-Python heap.
 
-Usage:  python3 tests/reference/make_tree_reference.py --out drafter-svc/tests/data/tree_reference.json
+Usage:  python3 tests/reference/make_tree_reference.py --out common/spec/tests/data/tree_reference.json
 
 Pure Python (heapq, no torch). The output is small, committed, and only needs regenerating when
 the cases below change. The procedure mirrors GLANCE's `glance/tree.py` `build_budget_tree`

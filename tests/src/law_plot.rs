@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use glance_common::law::{expected_accepted, Decile, Fit};
+use glance_spec::law::{expected_accepted, Decile, Fit};
 use image::RgbImage;
 use plotters::prelude::*;
 
@@ -152,7 +152,7 @@ fn write_text(image: &mut RgbImage, x: i32, y: i32, text: &str, colour: [u8; 3])
 #[cfg(test)]
 mod tests {
     use super::*;
-    use glance_common::law::{deciles, fit, Form, Round};
+    use glance_spec::law::{deciles, fit, Form, Round};
 
     #[test]
     fn draws_a_png_with_curves_and_labels() {

@@ -68,8 +68,8 @@ impl Case {
     }
 
     /// The case's messages in the input pipeline's form, images read from the fixture files.
-    pub fn chat_messages(&self) -> Vec<glance_common::input::ChatMessage> {
-        use glance_common::input::{ChatMessage, ContentPart};
+    pub fn chat_messages(&self) -> Vec<glance_input::ChatMessage> {
+        use glance_input::{ChatMessage, ContentPart};
         self.messages
             .iter()
             .map(|m| {

@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use glance_common::decode::{greedy_generate, GreedyParams, StepControl};
-use glance_common::input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
-use glance_common::models::TargetModel;
+use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
+use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 
 const TEXTS: [&str; 13] = [
@@ -58,7 +58,7 @@ pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> 
             let messages = vec![ChatMessage { role: "user".into(), content }];
             let ignore_eos = i % 3 != 0;
             let prompt = prompts.build(&messages).expect("prompt");
-            let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
+            let inputs = prompt.model_inputs();
             let params = GreedyParams {
                 max_new_tokens: max_new_tokens as usize,
                 eos_token_ids: if ignore_eos { &[] } else { &eos },

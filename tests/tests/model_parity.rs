@@ -3,9 +3,9 @@
 //! our whole input pipeline — for every case of both families and both weight layouts. Then the
 //! teeth: breaking one thing on purpose must change the greedy tokens.
 
-use glance_common::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
-use glance_common::input::{PromptBuilder, PromptOptions};
-use glance_common::models::{LogitRows, StepInput, TargetModel};
+use glance_input::{PromptBuilder, PromptOptions};
+use glance_models::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
+use glance_models::{LogitRows, StepInput, TargetModel};
 use glance_tests::{fixtures, max_abs_diff, Case, CASES, FAMILIES};
 use tch::{Device, Kind, Tensor};
 
@@ -85,7 +85,7 @@ fn greedy_tokens_match_transformers_through_our_pipeline() {
         for name in CASES {
             let case = Case::load(&dir, name);
             let prompt = prompts.build(&case.chat_messages()).expect("prompt");
-            let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
+            let inputs = prompt.model_inputs();
             assert_eq!(inputs.input_ids, case.input_ids, "{family}/{name}: input ids");
             let tokens = greedy(&model, &inputs, case.greedy_tokens.len());
             assert_eq!(tokens, case.greedy_tokens, "{family}/{name}: greedy tokens");

@@ -4,9 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use glance_common::decode::{greedy_generate, GreedyParams, StepControl};
-use glance_common::input::{PromptBuilder, PromptOptions};
-use glance_common::models::TargetModel;
+use glance_input::{PromptBuilder, PromptOptions};
+use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_tests::process::ServiceProcess;
@@ -81,7 +81,7 @@ async fn served_tokens_equal_in_process_greedy() {
         let prompt = prompts.build(&messages).unwrap();
         let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
         let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &eos, context_limit: 4096 };
-        let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
+        let inputs = prompt.model_inputs();
         let expected = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).unwrap().tokens;
 
         let server = ServiceProcess::verifier(&dir, &[]);

@@ -6,13 +6,13 @@
 
 use std::path::PathBuf;
 
-use glance_common::input::{PromptBuilder, PromptOptions};
-use glance_common::models::TargetModel;
-use glance_common::toyworld::target::{evaluate, format_scores};
-use glance_common::toyworld::{sample, Split, Task};
+use glance_input::{PromptBuilder, PromptOptions};
+use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_tests::process::ServiceProcess;
+use glance_toyworld::target::{evaluate, format_scores};
+use glance_toyworld::{sample, Split, Task};
 
 /// Held-out prompts per task for the target's exact match (the recorded figures use 100).
 const SAMPLES: u64 = 50;
@@ -72,7 +72,7 @@ async fn committed_head_drafts_long_blocks_losslessly() {
     }
 }
 
-fn request(s: &glance_common::toyworld::Sample, mode: pb::DecodingMode) -> pb::GenerateRequest {
+fn request(s: &glance_toyworld::Sample, mode: pb::DecodingMode) -> pb::GenerateRequest {
     pb::GenerateRequest {
         messages: glance_tests::suite::to_proto(&s.messages()),
         max_new_tokens: 64,

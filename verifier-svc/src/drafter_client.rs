@@ -23,18 +23,17 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use glance_proto::v1 as pb;
-use glance_proto::v1::drafter_client::DrafterClient;
+use glance_codec as codec;
+use glance_proto::drafter::v1 as pb;
+use glance_proto::drafter::v1::drafter_client::DrafterClient;
+use glance_proto::drafter::HOP_WINDOW;
 use tch::Kind;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tonic::transport::channel::Change;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-/// HTTP/2 flow-control window of the drafter hop, both directions (bytes).
-pub const HOP_WINDOW: u32 = 16 << 20;
-
-use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, DraftTree};
+use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, Drafted};
 
 /// Largest tap-state payload in one message; a larger prefill context goes as several chunks.
 const MAX_CHUNK_BYTES: usize = 4 << 20;
@@ -551,7 +550,7 @@ impl DraftProvider for RemoteProvider {
         let (outbound, receiver) = mpsc::channel::<pb::DraftRequest>(16);
         let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
         // The drafter's spans join this request's trace.
-        glance_common::telemetry::inject_trace_context(&tracing::Span::current(), request.metadata_mut());
+        glance_telemetry::inject_trace_context(&tracing::Span::current(), request.metadata_mut());
         let opened = self.drafter.runtime.block_on(async {
             tokio::time::timeout(
                 self.drafter.round_deadline.max(Duration::from_secs(1)),
@@ -616,9 +615,9 @@ impl RemoteSession {
                 pb::ContextRows {
                     first_position: (round.first_position + from) as u64,
                     tokens: round.tokens[from..from + count].iter().map(|&t| t as u32).collect(),
-                    states: round.states.map(|s| {
-                        glance_common::wire::encode(&s.narrow(0, from as i64, count as i64), self.wire_kind)
-                    }),
+                    states: round
+                        .states
+                        .map(|s| codec::encode(&s.narrow(0, from as i64, count as i64), self.wire_kind)),
                 }
             })
             .collect()
@@ -630,7 +629,7 @@ impl DraftSession for RemoteSession {
         self.context_len
     }
 
-    fn draft(&mut self, round: DraftRound) -> Result<DraftTree, DraftFailure> {
+    fn draft(&mut self, round: DraftRound) -> Result<Drafted, DraftFailure> {
         let mut messages: Vec<pb::DraftRequest> = self
             .context_messages(&round)
             .into_iter()
@@ -668,12 +667,8 @@ impl DraftSession for RemoteSession {
             Err(_) => return Err(DraftFailure::Timeout),
         };
         self.context_len = round.root_position;
-        Ok(DraftTree {
-            tokens: response.tokens.iter().map(|&t| t as i64).collect(),
-            parents: response.parents,
-            depths: response.depths,
-            draft_time: Duration::from_secs_f64(response.draft_ms.max(0.0) / 1e3),
-        })
+        let draft_time = Duration::from_secs_f64(response.draft_ms.max(0.0) / 1e3);
+        Ok(Drafted { tree: codec::response_tree(response), draft_time })
     }
 
     fn bytes_sent(&self) -> u64 {

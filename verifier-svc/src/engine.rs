@@ -1,6 +1,6 @@
-//! The generation engine: one OS thread that owns the target model and runs admitted requests one
-//! at a time (batch 1, as the method is measured), streaming text back as it is produced, in the
-//! decoding mode each request asked for.
+//! The generation engine: `--max-concurrent` OS threads sharing the target model, each running one
+//! admitted request at a time (batch 1, as the method is measured), streaming text back as it is
+//! produced, in the decoding mode each request asked for.
 //!
 //! Admission is a bounded queue: a full queue is answered at once with RESOURCE_EXHAUSTED. A
 //! request whose receiver is dropped (client gone, deadline passed) is stopped at the next token.
@@ -9,12 +9,12 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::thread;
 
-use drafter_svc::session::DraftEngine;
-use glance_common::decode::{
+use glance_input::{Prompt, PromptBuilder};
+use glance_models::decode::{
     greedy_generate, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
 };
-use glance_common::input::{Prompt, PromptBuilder};
-use glance_common::models::TargetModel;
+use glance_models::TargetModel;
+use glance_spec::session::DraftEngine;
 use tokio::sync::mpsc;
 
 use crate::drafter_client::{RemoteDrafter, RemoteProvider};
@@ -210,7 +210,7 @@ impl Worker {
     }
 
     fn generate(&self, job: Job) -> Result<Summary, VerifierError> {
-        let inputs = ModelInputs::from_prompt(&job.prompt);
+        let inputs = job.prompt.model_inputs();
         let detok = |ids: &[u32]| self.prompts.decode(ids, true).unwrap_or_default();
         let mut text = TextAssembler::new(detok, job.stop.clone());
         let mut stop_string = false;

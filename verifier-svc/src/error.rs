@@ -1,7 +1,7 @@
 //! The verifier's error type and its one mapping to gRPC status codes.
 
-use glance_common::input::InputError;
-use glance_common::models::ModelError;
+use glance_input::InputError;
+use glance_models::ModelError;
 use tonic::Status;
 
 #[derive(Debug, thiserror::Error)]

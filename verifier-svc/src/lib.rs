@@ -1,5 +1,6 @@
-//! verifier-svc: owns the target VLM, decodes (greedy now; speculative rounds come with the
-//! drafter) and serves the public `glance.v1.Generation` gRPC API with health and reflection.
+//! verifier-svc: owns the target VLM, decodes greedily or with speculative rounds (the verify round
+//! in `speculative`, the drafter client in `drafter_client`), and serves the public
+//! `glance.v1.Generation` gRPC API with health, reflection and the one error mapping (`error`).
 
 pub mod config;
 pub mod drafter_client;

@@ -1,12 +1,13 @@
-//! An in-process drafter: a drafter-svc engine run inside the verifier (prompt lookup needs no
-//! weights and no network), and the adapter tests use to drive any engine without a process.
+//! An in-process drafter: a drafting engine of `glance-spec` run inside the verifier (prompt
+//! lookup needs no weights and no network).
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use drafter_svc::session::{DraftEngine, RoundInput, Session};
+use glance_spec::session::{DraftEngine, DraftError, RoundInput, Session};
+use glance_spec::tree::TokenId;
 
-use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, DraftTree};
+use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, Drafted};
 
 pub struct LocalProvider {
     engine: Arc<dyn DraftEngine>,
@@ -18,8 +19,8 @@ impl LocalProvider {
     pub fn new(engine: Arc<dyn DraftEngine>) -> Self {
         let handshake = engine.handshake();
         Self {
-            tap_layers: handshake.tap_layers.iter().map(|&l| l as usize).collect(),
-            max_depth: handshake.block_size.saturating_sub(1) as usize,
+            tap_layers: handshake.tap_layers.clone(),
+            max_depth: handshake.block_size.saturating_sub(1),
             engine,
         }
     }
@@ -49,27 +50,22 @@ impl DraftSession for LocalSession {
         self.context_len
     }
 
-    fn draft(&mut self, round: DraftRound) -> Result<DraftTree, DraftFailure> {
+    fn draft(&mut self, round: DraftRound) -> Result<Drafted, DraftFailure> {
         let started = Instant::now();
-        let tokens: Vec<u32> = round.tokens.iter().map(|&t| t as u32).collect();
-        let failed = |e: drafter_svc::session::DraftError| DraftFailure::Unavailable(e.to_string());
+        let tokens: Vec<TokenId> = round.tokens.iter().map(|&t| t as TokenId).collect();
+        let failed = |e: DraftError| DraftFailure::Unavailable(e.to_string());
         self.session
             .append_context(round.first_position, &tokens, round.states.map(|s| s.shallow_clone()))
             .map_err(failed)?;
         self.context_len = round.root_position;
         let input = RoundInput {
-            root_token: round.root_token as u32,
+            root_token: round.root_token as TokenId,
             root_position: round.root_position,
             budget: round.budget,
             branch_k: round.branch_k,
         };
         let tree = self.session.draft(&input).map_err(failed)?;
-        Ok(DraftTree {
-            tokens: tree.tokens.iter().map(|&t| t as i64).collect(),
-            parents: tree.parents,
-            depths: tree.depths,
-            draft_time: started.elapsed(),
-        })
+        Ok(Drafted { tree, draft_time: started.elapsed() })
     }
 
     fn bytes_sent(&self) -> u64 {

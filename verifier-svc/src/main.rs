@@ -5,7 +5,7 @@ use verifier_svc::server;
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let telemetry = match glance_common::telemetry::init("verifier-svc") {
+    let telemetry = match glance_telemetry::init("verifier-svc") {
         Ok(t) => t,
         Err(e) => {
             eprintln!("verifier-svc: {e}");
@@ -27,7 +27,7 @@ async fn run(args: Args) -> Result<(), server::StartupError> {
         let addr = args.metrics_listen.parse().map_err(|e| {
             server::StartupError::Metrics(format!("--metrics-listen {}: {e}", args.metrics_listen))
         })?;
-        glance_common::telemetry::serve_metrics(addr, &verifier_svc::metrics::buckets())
+        glance_telemetry::serve_metrics(addr, &verifier_svc::metrics::buckets())
             .map_err(|e| server::StartupError::Metrics(e.to_string()))?;
         verifier_svc::metrics::describe();
     }

@@ -3,21 +3,18 @@
 
 use std::future::Future;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
-use glance_common::input::{PromptBuilder, PromptOptions};
-use glance_common::models::TargetModel;
-use glance_common::weights::{parse_device, parse_kind};
+use glance_input::{PromptBuilder, PromptOptions};
+use glance_models::weights::{parse_device, parse_kind, target_fingerprint};
+use glance_models::TargetModel;
 use glance_proto::v1 as pb;
+use glance_spec::prompt_lookup::PromptLookupEngine;
 use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-
-use std::sync::atomic::Ordering;
-use std::time::Duration;
-
-use drafter_svc::engines::PromptLookupEngine;
-use glance_common::weights::target_fingerprint;
 
 use crate::config::{Args, ModeArg};
 use crate::drafter_client::{DrafterError, RemoteDrafter, TargetDescription};
@@ -93,7 +90,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
     let prompts = Arc::new(prompts);
     let limits =
         EngineLimits { context_window, max_concurrent: args.max_concurrent, max_queue: args.max_queue };
-    let vocab = model.text_config().vocab_size as u32;
+    let vocab = model.text_config().vocab_size as usize;
     let drafting = Drafting {
         remote: drafter.clone(),
         prompt_lookup: Arc::new(PromptLookupEngine::new(args.prompt_lookup_block, vocab)),
@@ -117,7 +114,7 @@ fn connect_drafter(args: &Args, model: &TargetModel) -> Result<Option<Arc<Remote
     };
     let config = model.text_config();
     let target = TargetDescription {
-        fingerprint: target_fingerprint(&args.model).map_err(|e| StartupError::Model {
+        fingerprint: target_fingerprint(&args.model, &model.config).map_err(|e| StartupError::Model {
             dir: args.model.display().to_string(),
             reason: e.to_string(),
         })?,
@@ -216,9 +213,6 @@ pub async fn serve(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        // The Drafter service shares the descriptor set but is internal: list only public ones.
-        .with_service_name("glance.v1.Generation")
-        .with_service_name("grpc.health.v1.Health")
         .build_v1()
         .map_err(|e| StartupError::Serve(e.to_string()))?;
     let generation = pb::generation_server::GenerationServer::new(loaded.service)

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::Stream;
-use glance_common::decode::FinishKind;
-use glance_common::input::{ChatMessage, ContentPart};
+use glance_input::{ChatMessage, ContentPart};
+use glance_models::decode::FinishKind;
 use glance_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -146,7 +146,7 @@ type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamChunk, Sta
 /// The request's span, continuing the client's trace when it sent a `traceparent`.
 fn request_span(name: &'static str, metadata: &tonic::metadata::MetadataMap) -> tracing::Span {
     let span = tracing::info_span!("request", rpc = name, prompt_tokens = tracing::field::Empty);
-    glance_common::telemetry::continue_trace(&span, metadata);
+    glance_telemetry::continue_trace(&span, metadata);
     span
 }
 

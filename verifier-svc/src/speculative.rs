@@ -7,21 +7,18 @@
 
 use std::time::{Duration, Instant};
 
-use glance_common::decode::{
+use glance_models::decode::{
     prefill_with_taps, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
 };
-use glance_common::kv_cache::KvCache;
-use glance_common::models::{LogitRows, ModelError, StepInput, TargetModel};
+use glance_models::kv_cache::KvCache;
+use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
+use glance_spec::tree::{TokenId, Tree, TreeLimits};
 use tch::{Kind, Tensor};
 
-/// A candidate tree as the drafter sent it (not yet trusted).
+/// A drafter's answer to one round: the tree as sent (not yet trusted) and the drafter-side time.
 #[derive(Clone, Debug, Default)]
-pub struct DraftTree {
-    pub tokens: Vec<i64>,
-    /// Node index of each node's parent, −1 for children of the root.
-    pub parents: Vec<i32>,
-    pub depths: Vec<u32>,
-    /// Drafter-side time for this round.
+pub struct Drafted {
+    pub tree: Tree,
     pub draft_time: Duration,
 }
 
@@ -45,8 +42,6 @@ pub enum DraftFailure {
     Unavailable(String),
     #[error("drafter missed the round deadline")]
     Timeout,
-    #[error("malformed tree: {0}")]
-    Malformed(String),
 }
 
 /// One generation's drafting session (a stream to drafter-svc, or an in-process drafter).
@@ -55,7 +50,7 @@ pub trait DraftSession {
     fn context_len(&self) -> usize;
     /// One round: new context rows plus the root, answered with a tree. Wire bytes sent are
     /// reported through `bytes_sent`.
-    fn draft(&mut self, round: DraftRound) -> Result<DraftTree, DraftFailure>;
+    fn draft(&mut self, round: DraftRound) -> Result<Drafted, DraftFailure>;
     /// Serialized bytes sent so far (for the stats).
     fn bytes_sent(&self) -> u64;
 }
@@ -200,7 +195,7 @@ impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
     }
 }
 
-/// Speculative generation. Produces exactly the tokens of [`glance_common::decode::greedy_generate`].
+/// Speculative generation. Produces exactly the tokens of [`glance_models::decode::greedy_generate`].
 pub fn speculative_generate(
     model: &TargetModel,
     inputs: &ModelInputs,
@@ -221,6 +216,8 @@ pub fn speculative_generate(
     }
     let taps: Vec<usize> = provider.tap_layers().to_vec();
     let max_depth = provider.max_depth();
+    let vocab = model.text_config().vocab_size as usize;
+    let limits = TreeLimits { vocab, max_nodes: spec.budget, max_depth };
     // The verify pass appends root + tree before compaction: room for the largest tree.
     let mut cache = model.new_cache(limit + spec.budget + 1);
     let width = taps.len() as i64 * model.text_config().hidden_size;
@@ -229,7 +226,7 @@ pub fn speculative_generate(
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
     history.push(&inputs.input_ids, prompt_states.as_ref());
-    let mut root = glance_common::decode::argmax_last(&logits);
+    let mut root = glance_models::decode::argmax_last(&logits);
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
@@ -245,7 +242,7 @@ pub fn speculative_generate(
             None => None,
         };
         let round = match tree {
-            Some(tree) => match check_tree(&tree, spec.budget, max_depth, model.text_config().vocab_size) {
+            Some(tree) => match tree.validate(limits) {
                 Ok(()) => Some(tree),
                 Err(reason) => {
                     tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
@@ -360,7 +357,7 @@ fn request_tree(
     start: usize,
     spec: SpecParams,
     stats: &mut SpecStats,
-) -> Option<DraftTree> {
+) -> Option<Tree> {
     let from = session.context_len();
     let states = history.states_from(from);
     let round = DraftRound {
@@ -376,11 +373,11 @@ fn request_tree(
     let _span =
         tracing::info_span!("draft", context_rows = history.len - from, budget = spec.budget).entered();
     match session.draft(round) {
-        Ok(tree) => {
+        Ok(Drafted { tree, draft_time }) => {
             let total = asked.elapsed();
             metrics::histogram!(crate::metrics::DRAFTER_ROUND_LATENCY).record(total.as_secs_f64());
-            stats.draft_time += tree.draft_time;
-            stats.hop_time += total.saturating_sub(tree.draft_time);
+            stats.draft_time += draft_time;
+            stats.hop_time += total.saturating_sub(draft_time);
             Some(tree)
         }
         Err(e) => {
@@ -392,48 +389,14 @@ fn request_tree(
     }
 }
 
-/// Refuses trees that would make the verify pass wrong or unbounded.
-pub fn check_tree(tree: &DraftTree, budget: usize, max_depth: usize, vocab: i64) -> Result<(), String> {
-    let n = tree.tokens.len();
-    if tree.parents.len() != n || tree.depths.len() != n {
-        return Err(format!("{n} tokens, {} parents, {} depths", tree.parents.len(), tree.depths.len()));
-    }
-    if n > budget {
-        return Err(format!("{n} nodes over the budget of {budget}"));
-    }
-    for i in 0..n {
-        let (token, parent, depth) = (tree.tokens[i], tree.parents[i], tree.depths[i] as usize);
-        if token < 0 || token >= vocab {
-            return Err(format!("node {i}: token {token} outside the vocabulary"));
-        }
-        if parent < -1 || parent >= i as i32 {
-            return Err(format!("node {i}: parent {parent} is not an earlier node"));
-        }
-        let parent_depth = if parent < 0 { 0 } else { tree.depths[parent as usize] as usize };
-        if depth != parent_depth + 1 || depth > max_depth {
-            return Err(format!("node {i}: depth {depth} under a parent at depth {parent_depth}"));
-        }
-    }
-    Ok(())
-}
-
 /// The additive mask (1+N, prefix+1+N): every row sees the whole prefix, and inside the pack
 /// only itself and its ancestors.
-fn tree_mask(prefix: usize, parents: &[i32], kind: Kind, device: tch::Device) -> Tensor {
-    let pack = parents.len() + 1;
-    let mut visible = vec![false; pack * pack];
-    visible[0] = true;
-    for (i, &parent) in parents.iter().enumerate() {
-        let (row, parent_row) = (i + 1, (parent + 1) as usize);
-        let (from, to) = (parent_row * pack, row * pack);
-        for col in 0..pack {
-            visible[to + col] = visible[from + col];
-        }
-        visible[to + row] = true;
-    }
-    let blocked: Vec<f32> = visible.iter().map(|&v| if v { 0.0 } else { f32::NEG_INFINITY }).collect();
-    let pack_part = Tensor::from_slice(&blocked).view([pack as i64, pack as i64]);
-    let prefix_part = Tensor::zeros([pack as i64, prefix as i64], (Kind::Float, tch::Device::Cpu));
+fn tree_mask(prefix: usize, tree: &Tree, kind: Kind, device: tch::Device) -> Tensor {
+    let pack = tree.len() as i64 + 1;
+    let blocked: Vec<f32> =
+        tree.ancestor_visibility().iter().map(|&v| if v { 0.0 } else { f32::NEG_INFINITY }).collect();
+    let pack_part = Tensor::from_slice(&blocked).view([pack, pack]);
+    let prefix_part = Tensor::zeros([pack, prefix as i64], (Kind::Float, tch::Device::Cpu));
     Tensor::cat(&[prefix_part, pack_part], 1).to_device(device).to_kind(kind)
 }
 
@@ -453,13 +416,13 @@ fn verify_round(
     cache: &mut KvCache,
     rope_delta: i64,
     root: i64,
-    tree: &DraftTree,
+    tree: &Tree,
     taps: &[usize],
     with_entropy: bool,
 ) -> Result<Verified, ModelError> {
     let start = cache.len();
     let device = model.device();
-    let ids: Vec<i64> = std::iter::once(root).chain(tree.tokens.iter().copied()).collect();
+    let ids: Vec<i64> = std::iter::once(root).chain(tree.tokens.iter().map(|&t| i64::from(t))).collect();
     let positions: Vec<i64> = std::iter::once(0)
         .chain(tree.depths.iter().map(|&d| d as i64))
         .map(|d| start as i64 + d + rope_delta)
@@ -468,7 +431,7 @@ fn verify_round(
     let positions =
         Tensor::from_slice(&positions).view([1, n]).expand([3, n], false).contiguous().to_device(device);
     let ids_t = Tensor::from_slice(&ids).to_device(device);
-    let mask = tree_mask(start, &tree.parents, model.kind(), device);
+    let mask = tree_mask(start, tree, model.kind(), device);
     let step = StepInput {
         token_ids: &ids_t,
         positions: &positions,
@@ -481,13 +444,14 @@ fn verify_round(
     let logits = out.logits.expect("logits were requested").to_kind(Kind::Float);
     let root_entropy = with_entropy.then(|| entropy_nats(&logits.get(0)));
     let choices = Vec::<i64>::try_from(logits.argmax(-1, false)).expect("argmax is a 1-D int64 tensor");
-    let (path, bonus) = walk(&tree.tokens, &tree.parents, &choices);
+    let choices: Vec<TokenId> = choices.iter().map(|&c| c as TokenId).collect();
+    let (path, bonus) = tree.accepted_path(&choices);
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
     let states = gather_states(&out.taps, &keep, device);
     let mut committed = vec![root];
-    committed.extend(path.iter().map(|&i| tree.tokens[i]));
-    committed.push(bonus);
+    committed.extend(path.iter().map(|&i| i64::from(tree.tokens[i])));
+    committed.push(i64::from(bonus));
     Ok(Verified { committed, states, root_entropy })
 }
 
@@ -495,24 +459,6 @@ fn verify_round(
 fn entropy_nats(logits: &Tensor) -> f32 {
     let log_p = logits.log_softmax(-1, Kind::Float);
     (-(log_p.exp() * &log_p).sum(Kind::Float)).double_value(&[]) as f32
-}
-
-/// Follows the target's argmax from the root through children with that token. Returns the node
-/// indices of the accepted path and the bonus token (the argmax where no child matches).
-pub fn walk(tokens: &[i64], parents: &[i32], argmax_per_row: &[i64]) -> (Vec<usize>, i64) {
-    let mut path = Vec::new();
-    let mut cursor: i32 = -1;
-    loop {
-        let wanted = argmax_per_row[(cursor + 1) as usize];
-        let next = (0..tokens.len()).find(|&i| parents[i] == cursor && tokens[i] == wanted);
-        match next {
-            Some(i) => {
-                path.push(i);
-                cursor = i as i32;
-            }
-            None => return (path, wanted),
-        }
-    }
 }
 
 /// One plain greedy step (no drafter): forward the root, keep its tap states.
@@ -536,7 +482,7 @@ fn greedy_step(
         logits: LogitRows::Last,
     };
     let out = model.forward(&step, cache)?;
-    let next = glance_common::decode::argmax_last(out.logits.as_ref().expect("logits were requested"));
+    let next = glance_models::decode::argmax_last(out.logits.as_ref().expect("logits were requested"));
     Ok((vec![root, next], gather_states(&out.taps, &[0], device)))
 }
 
@@ -556,39 +502,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn walk_follows_matching_children_and_returns_the_bonus() {
-        // root → a(0) → c(2); root → b(1)
-        let tokens = [10, 11, 12];
-        let parents = [-1, -1, 0];
-        // rows: root, a, b, c
-        assert_eq!(walk(&tokens, &parents, &[10, 12, 99, 7]), (vec![0, 2], 7));
-        assert_eq!(walk(&tokens, &parents, &[11, 0, 5, 0]), (vec![1], 5));
-        assert_eq!(walk(&tokens, &parents, &[42, 0, 0, 0]), (vec![], 42));
-    }
-
-    #[test]
     fn tree_mask_shows_prefix_and_ancestors_only() {
-        let mask = tree_mask(2, &[-1, -1, 0], Kind::Float, tch::Device::Cpu);
+        let mut tree = Tree::default();
+        tree.push(1, -1, 0.0);
+        tree.push(2, -1, 0.0);
+        tree.push(3, 0, 0.0);
+        let mask = tree_mask(2, &tree, Kind::Float, tch::Device::Cpu);
         let visible: Vec<Vec<bool>> =
             (0..4).map(|r| (0..6).map(|c| mask.double_value(&[r, c]) == 0.0).collect()).collect();
         assert_eq!(visible[0], [true, true, true, false, false, false]);
         assert_eq!(visible[1], [true, true, true, true, false, false]);
         assert_eq!(visible[2], [true, true, true, false, true, false]);
         assert_eq!(visible[3], [true, true, true, true, false, true]);
-    }
-
-    #[test]
-    fn malformed_trees_are_refused() {
-        let good =
-            DraftTree { tokens: vec![1, 2], parents: vec![-1, 0], depths: vec![1, 2], ..Default::default() };
-        assert!(check_tree(&good, 4, 15, 10).is_ok());
-        let forward_parent = DraftTree { parents: vec![1, -1], depths: vec![2, 1], ..good.clone() };
-        assert!(check_tree(&forward_parent, 4, 15, 10).is_err());
-        let out_of_vocab = DraftTree { tokens: vec![1, 10], ..good.clone() };
-        assert!(check_tree(&out_of_vocab, 4, 15, 10).is_err());
-        assert!(check_tree(&good, 1, 15, 10).is_err());
-        let wrong_depth = DraftTree { depths: vec![1, 3], ..good.clone() };
-        assert!(check_tree(&wrong_depth, 4, 15, 10).is_err());
-        assert!(check_tree(&good, 4, 1, 10).is_err());
     }
 }

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Parser;
-use glance_common::decode::{greedy_generate, GreedyParams, StepControl};
-use glance_common::input::{PromptBuilder, PromptOptions};
-use glance_common::models::TargetModel;
+use glance_input::{PromptBuilder, PromptOptions};
+use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_models::TargetModel;
 use glance_tests::Case;
 
 #[derive(Parser)]
@@ -41,7 +41,7 @@ fn main() {
         PromptBuilder::from_model_dir(&model_dir, PromptOptions::default()).expect("prompt builder");
     let model = TargetModel::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
     let prompt = prompts.build(&case.chat_messages()).expect("prompt");
-    let inputs = glance_common::decode::ModelInputs::from_prompt(&prompt);
+    let inputs = prompt.model_inputs();
     let params =
         GreedyParams { max_new_tokens: args.max_new_tokens, eos_token_ids: &[], context_limit: 1 << 20 };
     let ours = || {

@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use clap::Parser;
-use glance_common::law::{self, Form, Round};
-use glance_common::toyworld::{sample, Split, Task};
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
+use glance_spec::law::{self, Form, Round};
 use glance_tests::law_plot;
 use glance_tests::process::ServiceProcess;
+use glance_toyworld::{sample, Split, Task};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -87,7 +87,7 @@ fn modes(budgets: &[u32]) -> Vec<(String, pb::DecodingMode, u32)> {
 }
 
 fn request(
-    s: &glance_common::toyworld::Sample,
+    s: &glance_toyworld::Sample,
     mode: pb::DecodingMode,
     budget: u32,
     max_new: u32,

@@ -1,0 +1,218 @@
+//! `glance`: a small command-line client of the public API (generate, stream, compare, model info).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use glance_client::v1 as pb;
+use glance_client::v1::generation_client::GenerationClient;
+use glance_client::{decode_ms_per_token, Request};
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+#[command(name = "glance", version, about = "Client for a glance verifier-svc")]
+struct Cli {
+    /// Address of verifier-svc.
+    #[arg(long, env = "GLANCE_ADDR", default_value = "http://127.0.0.1:50051")]
+    addr: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One request; prints the answer, usage and timings.
+    Generate(GenerateArgs),
+    /// Like generate, printing text as it streams in.
+    Stream(GenerateArgs),
+    /// The same request autoregressively and in --mode; prints the answer, tau and the speed-up.
+    Compare(GenerateArgs),
+    /// Prints the served model and its limits.
+    Info,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Mode {
+    /// The server's default.
+    Default,
+    Autoregressive,
+    Tree,
+    Chain,
+    PromptLookup,
+}
+
+impl Mode {
+    fn proto(self) -> pb::DecodingMode {
+        match self {
+            Self::Default => pb::DecodingMode::Unspecified,
+            Self::Autoregressive => pb::DecodingMode::Autoregressive,
+            Self::Tree => pb::DecodingMode::SpeculativeTree,
+            Self::Chain => pb::DecodingMode::SpeculativeChain,
+            Self::PromptLookup => pb::DecodingMode::PromptLookup,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// The user's text.
+    #[arg(long)]
+    prompt: String,
+    /// Image files, placed before the text in the user message.
+    #[arg(long = "image")]
+    images: Vec<PathBuf>,
+    /// An optional system message.
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: u32,
+    /// Stop strings.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+    #[arg(long, value_enum, default_value = "default")]
+    mode: Mode,
+    /// Tree budget (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    tree_budget: u32,
+    /// Print the response as JSON (token ids included).
+    #[arg(long)]
+    json: bool,
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli).await {
+        eprintln!("glance: {e}");
+        std::process::exit(1);
+    }
+}
+
+type Error = Box<dyn std::error::Error>;
+
+async fn run(cli: Cli) -> Result<(), Error> {
+    let mut client = glance_client::connect(&cli.addr).await?;
+    match cli.command {
+        Command::Info => {
+            let info = client.model_info(pb::ModelInfoRequest {}).await?.into_inner();
+            println!("{info:#?}");
+        }
+        Command::Generate(args) => {
+            let started = Instant::now();
+            let response = client.generate(build_request(&args, args.mode)?).await?.into_inner();
+            if args.json {
+                print_json(&response);
+            } else {
+                println!("{}", response.text);
+                print_summary(&response, started);
+            }
+        }
+        Command::Stream(args) => stream(&mut client, &args).await?,
+        Command::Compare(args) => compare(&mut client, &args).await?,
+    }
+    Ok(())
+}
+
+async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
+    use std::io::Write;
+    let started = Instant::now();
+    let mut stream = client.generate_stream(build_request(args, args.mode)?).await?.into_inner();
+    let mut last = pb::GenerateResponse::default();
+    while let Some(chunk) = stream.message().await? {
+        print!("{}", chunk.text);
+        std::io::stdout().flush()?;
+        last.token_ids.extend(chunk.token_ids);
+        if chunk.finish_reason != 0 {
+            last.finish_reason = chunk.finish_reason;
+            last.usage = chunk.usage;
+            last.timings = chunk.timings;
+            last.speculative = chunk.speculative;
+        }
+    }
+    println!();
+    print_summary(&last, started);
+    Ok(())
+}
+
+/// Autoregressive first, then the requested mode (tree by default): the speed-up is the ratio of
+/// decode milliseconds per token, both measured by the server on this request.
+async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
+    let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Tree } else { args.mode };
+    let started = Instant::now();
+    let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();
+    let spec = client.generate(build_request(args, mode)?).await?.into_inner();
+    println!("{}", spec.text);
+    print_summary(&spec, started);
+    let identical = ar.token_ids == spec.token_ids;
+    let (ar_ms, spec_ms) = (decode_ms_per_token(&ar), decode_ms_per_token(&spec));
+    let tau = spec.speculative.map(|s| s.mean_accepted_length).unwrap_or(1.0);
+    println!(
+        "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to greedy: {identical}",
+        mode.proto().as_str_name(),
+        ar_ms / spec_ms
+    );
+    if !identical {
+        return Err("speculative output differs from greedy decoding".into());
+    }
+    Ok(())
+}
+
+fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest, Error> {
+    let request = Request {
+        system: args.system.clone(),
+        prompt: args.prompt.clone(),
+        images: Vec::new(),
+        max_new_tokens: args.max_new_tokens,
+        stop: args.stop.clone(),
+        mode: mode.proto(),
+        tree_budget: args.tree_budget,
+    };
+    Ok(request.with_image_files(&args.images)?.to_proto())
+}
+
+fn print_summary(response: &pb::GenerateResponse, started: Instant) {
+    let finish = pb::FinishReason::try_from(response.finish_reason).map(|f| f.as_str_name()).unwrap_or("?");
+    let usage = response.usage.unwrap_or_default();
+    let timings = response.timings.unwrap_or_default();
+    println!(
+        "-- finish {finish} | prompt {} tokens ({} image) | generated {} | prefill {:.1} ms | decode {:.1} ms ({:.1} tok/s) | wall {:.1} ms",
+        usage.prompt_tokens,
+        usage.image_tokens,
+        usage.generated_tokens,
+        timings.prefill_ms,
+        timings.decode_ms,
+        timings.decode_tokens_per_second,
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    if let Some(s) = &response.speculative {
+        println!(
+            "-- {} | rounds {} | tau {:.2} | draft {:.1} ms, hop {:.1} ms, verify {:.1} ms | {} fallback rounds",
+            pb::DecodingMode::try_from(s.mode).map(|m| m.as_str_name()).unwrap_or("?"),
+            s.rounds,
+            s.mean_accepted_length,
+            s.draft_ms,
+            s.hop_ms,
+            s.verify_ms,
+            s.fallback_rounds
+        );
+    }
+}
+
+fn print_json(response: &pb::GenerateResponse) {
+    let usage = response.usage.unwrap_or_default();
+    let timings = response.timings.unwrap_or_default();
+    let spec = response.speculative.clone().unwrap_or_default();
+    let value = serde_json::json!({
+        "text": response.text,
+        "token_ids": response.token_ids,
+        "finish_reason": pb::FinishReason::try_from(response.finish_reason).map(|f| f.as_str_name()).unwrap_or("?"),
+        "usage": {"prompt_tokens": usage.prompt_tokens, "image_tokens": usage.image_tokens, "generated_tokens": usage.generated_tokens},
+        "timings": {"prefill_ms": timings.prefill_ms, "decode_ms": timings.decode_ms, "decode_tokens_per_second": timings.decode_tokens_per_second},
+        "speculative": response.speculative.as_ref().map(|_| serde_json::json!({
+            "rounds": spec.rounds, "tau": spec.mean_accepted_length, "accepted_per_depth": spec.accepted_per_depth,
+            "draft_ms": spec.draft_ms, "hop_ms": spec.hop_ms, "verify_ms": spec.verify_ms,
+            "bytes_to_drafter": spec.bytes_to_drafter, "fallback_rounds": spec.fallback_rounds,
+        })),
+    });
+    println!("{value}");
+}

@@ -1,0 +1,124 @@
+//! glance-client: a small Rust client of glance's public gRPC API (`glance.v1.Generation`) — a
+//! connection with the server's message limits, and requests built from a prompt, images and
+//! decoding options — with the `glance` command line on top. Needs only the proto crate and tonic,
+//! not libtorch.
+
+use std::path::Path;
+
+use glance_proto::v1 as pb;
+use glance_proto::v1::generation_client::GenerationClient;
+use tonic::transport::Channel;
+
+pub use glance_proto::v1;
+
+/// Largest response accepted (the server's own limit on requests).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: tonic::transport::Error },
+    #[error("{path}: {source}")]
+    Image { path: String, source: std::io::Error },
+}
+
+/// Connects to a verifier-svc at `addr` (`http://host:port`).
+pub async fn connect(addr: &str) -> Result<GenerationClient<Channel>, ClientError> {
+    let client = GenerationClient::connect(addr.to_string())
+        .await
+        .map_err(|source| ClientError::Connect { addr: addr.to_string(), source })?;
+    Ok(client.max_decoding_message_size(MAX_MESSAGE_BYTES))
+}
+
+/// One user turn (images first, then the text), after an optional system message.
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    pub system: Option<String>,
+    pub prompt: String,
+    /// Encoded image files (PNG, JPEG, WebP), in order.
+    pub images: Vec<Vec<u8>>,
+    pub max_new_tokens: u32,
+    pub stop: Vec<String>,
+    pub mode: pb::DecodingMode,
+    /// 0: the server's default.
+    pub tree_budget: u32,
+}
+
+impl Request {
+    /// Reads image files into the request.
+    pub fn with_image_files(mut self, paths: &[impl AsRef<Path>]) -> Result<Self, ClientError> {
+        for path in paths {
+            let path = path.as_ref();
+            let data = std::fs::read(path)
+                .map_err(|source| ClientError::Image { path: path.display().to_string(), source })?;
+            self.images.push(data);
+        }
+        Ok(self)
+    }
+
+    /// The request on the wire.
+    pub fn to_proto(&self) -> pb::GenerateRequest {
+        let text = |t: &str| pb::ContentPart { part: Some(pb::content_part::Part::Text(t.to_string())) };
+        let mut messages = Vec::new();
+        if let Some(system) = &self.system {
+            messages.push(pb::ChatMessage { role: "system".into(), content: vec![text(system)] });
+        }
+        let mut content: Vec<pb::ContentPart> = self
+            .images
+            .iter()
+            .map(|data| pb::ContentPart {
+                part: Some(pb::content_part::Part::Image(pb::Image {
+                    data: data.clone(),
+                    mime_type: String::new(),
+                })),
+            })
+            .collect();
+        content.push(text(&self.prompt));
+        messages.push(pb::ChatMessage { role: "user".into(), content });
+        pb::GenerateRequest {
+            messages,
+            max_new_tokens: self.max_new_tokens,
+            stop: self.stop.clone(),
+            decoding: Some(pb::DecodingOptions {
+                mode: self.mode as i32,
+                tree_budget: self.tree_budget,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+/// Decode milliseconds per generated token after the first (the first comes out of prefill), as
+/// the server measured them: the figure a speed-up compares.
+pub fn decode_ms_per_token(response: &pb::GenerateResponse) -> f64 {
+    let timings = response.timings.unwrap_or_default();
+    let tokens = response.usage.unwrap_or_default().generated_tokens.saturating_sub(1).max(1);
+    timings.decode_ms / tokens as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_puts_the_system_turn_first_and_images_before_the_text() {
+        let request = Request {
+            system: Some("be brief".into()),
+            prompt: "read it".into(),
+            images: vec![vec![1, 2, 3]],
+            max_new_tokens: 8,
+            mode: pb::DecodingMode::SpeculativeTree,
+            ..Default::default()
+        };
+        let wire = request.to_proto();
+        assert_eq!(wire.messages.len(), 2);
+        assert_eq!(wire.messages[0].role, "system");
+        let parts = &wire.messages[1].content;
+        assert!(
+            matches!(&parts[0].part, Some(pb::content_part::Part::Image(image)) if image.data == [1, 2, 3])
+        );
+        assert!(matches!(&parts[1].part, Some(pb::content_part::Part::Text(t)) if t == "read it"));
+        assert_eq!(wire.decoding.unwrap().mode, pb::DecodingMode::SpeculativeTree as i32);
+        assert!(Request::default().with_image_files(&["/nonexistent/image.png"]).is_err());
+    }
+}

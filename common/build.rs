@@ -1,5 +1,0 @@
-include!("../build-support/link_libtorch.rs");
-
-fn main() {
-    link_libtorch();
-}

@@ -1,0 +1,231 @@
+//! Parity of the input pipeline with Hugging Face transformers' Qwen-VL processors, against the
+//! dumps of `tests/reference/make_reference.py` (tiny checkpoints plus one JSON + safetensors per
+//! case). Fixture root: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use glance_input::{
+    decode_image, resize_for_model, to_rgb8, ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions,
+};
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+const MODELS: [&str; 2] = ["tiny-qwen3-vl", "tiny-qwen2.5-vl"];
+/// Pixel values of unresized images go through the same f32 arithmetic as numpy.
+const EXACT_PIXEL_TOLERANCE: f32 = 1e-5;
+/// Resized images may differ from Pillow's by one 8-bit level (decoder or resampler rounding).
+const RESIZE_LEVEL_TOLERANCE: f32 = 1.0;
+
+/// The fixture root, or `None` when fixtures are absent and not required.
+fn fixture_root() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("GLANCE_FIXTURES") {
+        return Some(PathBuf::from(dir));
+    }
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let default = manifest.parent().unwrap_or(manifest).join("tests/fixtures");
+    if default.is_dir() {
+        return Some(default);
+    }
+    assert!(
+        std::env::var("GLANCE_REQUIRE_FIXTURES").as_deref() != Ok("1"),
+        "GLANCE_REQUIRE_FIXTURES=1 but neither GLANCE_FIXTURES nor {} exists",
+        default.display()
+    );
+    eprintln!(
+        "SKIPPED: no fixtures (set GLANCE_FIXTURES or create {}; run tests/reference/make_reference.py)",
+        default.display()
+    );
+    None
+}
+
+#[test]
+fn qwen3_vl_inputs_match_transformers() -> Result<()> {
+    check_model(MODELS[0])
+}
+
+#[test]
+fn qwen2_5_vl_inputs_match_transformers() -> Result<()> {
+    check_model(MODELS[1])
+}
+
+fn check_model(model: &str) -> Result<()> {
+    let Some(root) = fixture_root() else {
+        return Ok(());
+    };
+    let model_dir = root.join(model);
+    let builder = PromptBuilder::from_model_dir(&model_dir, PromptOptions::default())
+        .with_context(|| format!("loading {}", model_dir.display()))?;
+    let cases = case_files(&model_dir.join("reference"))?;
+    ensure!(!cases.is_empty(), "{model}: no reference cases");
+    for case in cases {
+        check_case(&builder, &case).with_context(|| format!("{model}: {}", case.display()))?;
+    }
+    Ok(())
+}
+
+fn case_files(reference: &Path) -> Result<Vec<PathBuf>> {
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(reference)
+        .with_context(|| format!("reading {}", reference.display()))?
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    cases.retain(|p| p.extension().is_some_and(|e| e == "json"));
+    cases.sort();
+    Ok(cases)
+}
+
+/// One reference case: its JSON, its tensors and the directory image paths are relative to.
+struct Case {
+    json: Value,
+    tensors: Vec<u8>,
+    dir: PathBuf,
+}
+
+impl Case {
+    fn load(path: &Path) -> Result<Self> {
+        let json: Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        let tensors = std::fs::read(path.with_extension("safetensors"))?;
+        let dir = path.parent().context("case has no directory")?.to_path_buf();
+        Ok(Self { json, tensors, dir })
+    }
+
+    fn field(&self, key: &str) -> Result<&Value> {
+        self.json.get(key).ok_or_else(|| anyhow!("no {key}"))
+    }
+
+    /// A float32 tensor as (shape, values).
+    fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let tensors = SafeTensors::deserialize(&self.tensors)?;
+        let view = tensors.tensor(name)?;
+        ensure!(view.dtype() == safetensors::Dtype::F32, "{name} is not float32");
+        let values =
+            view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        Ok((view.shape().to_vec(), values))
+    }
+
+    fn messages(&self) -> Result<Vec<ChatMessage>> {
+        let messages = self.field("messages")?.as_array().context("messages")?;
+        messages.iter().map(|m| self.message(m)).collect()
+    }
+
+    fn message(&self, message: &Value) -> Result<ChatMessage> {
+        let role = message["role"].as_str().context("role")?.to_string();
+        let parts = message["content"].as_array().context("content")?;
+        let content = parts.iter().map(|p| self.part(p)).collect::<Result<_>>()?;
+        Ok(ChatMessage { role, content })
+    }
+
+    fn part(&self, part: &Value) -> Result<ContentPart> {
+        match part["type"].as_str() {
+            Some("text") => Ok(ContentPart::Text(part["text"].as_str().context("text")?.into())),
+            Some("image") => {
+                let path = part["path"].as_str().context("image path")?;
+                let data = std::fs::read(self.dir.join(path))?;
+                Ok(ContentPart::Image { data, mime_type: mime_for(path).into() })
+            }
+            other => bail!("unknown part type {other:?}"),
+        }
+    }
+}
+
+fn mime_for(path: &str) -> &'static str {
+    match path.rsplit('.').next() {
+        Some("png") => "image/png",
+        Some("jpg" | "jpeg") => "image/jpeg",
+        Some("webp") => "image/webp",
+        _ => "",
+    }
+}
+
+fn check_case(builder: &PromptBuilder, path: &Path) -> Result<()> {
+    let case = Case::load(path)?;
+    let prompt = builder.build(&case.messages()?)?;
+    ensure!(
+        prompt.text == case.field("prompt_text")?.as_str().unwrap_or_default(),
+        "prompt text differs:\n{}",
+        prompt.text
+    );
+    let expected_ids: Vec<u32> = serde_json::from_value(case.field("input_ids")?.clone())?;
+    ensure!(prompt.input_ids == expected_ids, "input_ids differ: {:?}", prompt.input_ids);
+    check_positions(&case, &prompt)?;
+    check_images(builder, &case, &prompt)
+}
+
+fn check_positions(case: &Case, prompt: &Prompt) -> Result<()> {
+    let expected: Vec<Vec<i64>> = serde_json::from_value(case.field("position_ids")?.clone())?;
+    let actual = [&prompt.positions.t, &prompt.positions.h, &prompt.positions.w];
+    for (axis, (want, got)) in ["t", "h", "w"].iter().zip(expected.iter().zip(actual)) {
+        ensure!(want == got, "position_ids {axis} differ: {got:?}");
+    }
+    let delta = case.field("rope_delta")?.as_i64().context("rope_delta")?;
+    ensure!(prompt.rope_delta == delta, "rope_delta {} != {delta}", prompt.rope_delta);
+    Ok(())
+}
+
+fn check_images(builder: &PromptBuilder, case: &Case, prompt: &Prompt) -> Result<()> {
+    let grids: Vec<[usize; 3]> = serde_json::from_value(case.field("image_grid_thw")?.clone())?;
+    let actual: Vec<[usize; 3]> = prompt.images.iter().map(|i| i.grid_thw).collect();
+    ensure!(actual == grids, "image_grid_thw {actual:?} != {grids:?}");
+    if prompt.images.is_empty() {
+        return Ok(());
+    }
+    let (shape, reference) = case.tensor("pixel_values")?;
+    let mut offset = 0;
+    for (k, image) in prompt.images.iter().enumerate() {
+        ensure!(shape[1] == image.patch_dim, "patch_dim {} != {}", image.patch_dim, shape[1]);
+        let rows = &reference[offset..offset + image.pixel_values.len()];
+        offset += image.pixel_values.len();
+        let tolerance = pixel_tolerance(builder, case, k)?;
+        let diff = max_abs_diff(&image.pixel_values, rows);
+        println!("{} image {k}: pixel_values max abs difference {diff:e}", case_name(case));
+        ensure!(diff <= tolerance, "image {k}: pixel_values differ by {diff} (> {tolerance})");
+    }
+    ensure!(offset == reference.len(), "pixel_values has {} values, expected {offset}", reference.len());
+    Ok(())
+}
+
+/// Exact for images HF did not resize; for resized ones, checks the resized 8-bit image against
+/// Pillow's and allows that difference through normalization.
+fn pixel_tolerance(builder: &PromptBuilder, case: &Case, k: usize) -> Result<f32> {
+    let meta = &case.field("images")?[k];
+    if meta["orig_hw"] == meta["resized_hw"] {
+        return Ok(EXACT_PIXEL_TOLERANCE);
+    }
+    let path = meta["path"].as_str().context("image path")?;
+    let data = std::fs::read(case.dir.join(path))?;
+    let rgb = to_rgb8(&decode_image(&data, mime_for(path))?);
+    report_decode_difference(case, k, &rgb, path)?;
+    let cfg = builder.image_config();
+    let resized = resize_for_model(&rgb, cfg)?;
+    let (shape, reference) = case.tensor(&format!("resized_{k}"))?;
+    let size = [resized.height() as usize, resized.width() as usize, 3];
+    ensure!(shape == size, "resized_{k}: shape {size:?} != {shape:?}");
+    let actual: Vec<f32> = resized.as_raw().iter().map(|&v| f32::from(v)).collect();
+    let levels = max_abs_diff(&actual, &reference);
+    println!("{} {path}: resized image max 8-bit difference vs Pillow: {levels}", case_name(case));
+    ensure!(levels <= RESIZE_LEVEL_TOLERANCE, "resized_{k} differs by {levels} levels");
+    let min_std = cfg.image_std.iter().copied().fold(f64::INFINITY, f64::min) as f32;
+    Ok(levels / 255.0 / min_std + EXACT_PIXEL_TOLERANCE)
+}
+
+/// JPEG decoders may round differently from libjpeg; printed to tell that apart from resizing.
+fn report_decode_difference(case: &Case, k: usize, rgb: &image::RgbImage, path: &str) -> Result<()> {
+    let Ok((_, reference)) = case.tensor(&format!("decoded_{k}")) else {
+        return Ok(());
+    };
+    let actual: Vec<f32> = rgb.as_raw().iter().map(|&v| f32::from(v)).collect();
+    ensure!(actual.len() == reference.len(), "decoded_{k}: size differs");
+    let levels = max_abs_diff(&actual, &reference);
+    println!("{} {path}: decoded image max 8-bit difference vs PIL: {levels}", case_name(case));
+    Ok(())
+}
+
+fn case_name(case: &Case) -> String {
+    let model = case.json["model_dir"].as_str().unwrap_or("?");
+    let name = case.json["case"].as_str().unwrap_or("?");
+    format!("{model}/{name}")
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}

@@ -1,0 +1,219 @@
+//! Building blocks shared by the Qwen-VL families: linear layers, norms, rotary embeddings and
+//! attention, with the numerics of the Hugging Face reference (norms and rotary angles in f32).
+
+use tch::{Kind, Tensor};
+
+use crate::weights::{Checkpoint, WeightsError};
+
+/// `y = x Wᵀ + b`.
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// Loads `{prefix}.weight` (out, in) and, when `bias` is true, `{prefix}.bias` (out).
+    pub fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        in_dim: i64,
+        out_dim: i64,
+        bias: bool,
+    ) -> Result<Self, WeightsError> {
+        let weight = ckpt.take(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+        let bias = if bias { Some(ckpt.take(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
+        Ok(Self { weight, bias })
+    }
+
+    /// A bias that exists only in some checkpoints is loaded when present.
+    pub fn load_optional_bias(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        in_dim: i64,
+        out_dim: i64,
+    ) -> Result<Self, WeightsError> {
+        let has_bias = ckpt.contains(&format!("{prefix}.bias"));
+        Self::load(ckpt, prefix, in_dim, out_dim, has_bias)
+    }
+
+    pub fn from_weight(weight: Tensor) -> Self {
+        Self { weight, bias: None }
+    }
+
+    pub fn from_parts(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+/// RMSNorm as Qwen computes it: normalize in f32, cast back, then scale.
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(ckpt: &mut Checkpoint, name: &str, dim: i64, eps: f64) -> Result<Self, WeightsError> {
+        Ok(Self { weight: ckpt.take(&format!("{name}.weight"), &[dim])?, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let x32 = x.to_kind(Kind::Float);
+        let variance = x32.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = x32 * (variance + self.eps).rsqrt();
+        &self.weight * normed.to_kind(kind)
+    }
+}
+
+/// LayerNorm with weight and bias.
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    pub fn load(ckpt: &mut Checkpoint, name: &str, dim: i64, eps: f64) -> Result<Self, WeightsError> {
+        Ok(Self {
+            weight: ckpt.take(&format!("{name}.weight"), &[dim])?,
+            bias: ckpt.take(&format!("{name}.bias"), &[dim])?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let dim = *x.size().last().expect("layer norm input has a last dimension");
+        x.layer_norm([dim], Some(&self.weight), Some(&self.bias), self.eps, true)
+    }
+}
+
+/// Activation functions named in Hugging Face configs.
+#[derive(Clone, Copy, Debug)]
+pub enum Activation {
+    Silu,
+    Gelu,
+    GeluTanh,
+}
+
+/// `hidden_act` as config files spell it.
+impl<'de> serde::Deserialize<'de> for Activation {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        Self::from_name(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unsupported hidden_act {name:?}")))
+    }
+}
+
+impl Activation {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu" => Some(Self::Gelu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Some(Self::GeluTanh),
+            _ => None,
+        }
+    }
+
+    pub fn apply(self, x: &Tensor) -> Tensor {
+        match self {
+            Self::Silu => x.silu(),
+            Self::Gelu => x.gelu("none"),
+            Self::GeluTanh => x.gelu("tanh"),
+        }
+    }
+}
+
+/// SwiGLU MLP `down(act(gate(x)) · up(x))` of the Qwen decoders, the DFlash head and the
+/// Qwen2.5-VL vision blocks (the latter with biases).
+pub struct SwiGlu {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    activation: Activation,
+}
+
+impl SwiGlu {
+    /// Loads `{prefix}.gate_proj`, `{prefix}.up_proj` and `{prefix}.down_proj`.
+    pub fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        hidden: i64,
+        intermediate: i64,
+        bias: bool,
+        activation: Activation,
+    ) -> Result<Self, WeightsError> {
+        Ok(Self {
+            gate_proj: Linear::load(ckpt, &format!("{prefix}.gate_proj"), hidden, intermediate, bias)?,
+            up_proj: Linear::load(ckpt, &format!("{prefix}.up_proj"), hidden, intermediate, bias)?,
+            down_proj: Linear::load(ckpt, &format!("{prefix}.down_proj"), intermediate, hidden, bias)?,
+            activation,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let gate = self.activation.apply(&self.gate_proj.forward(x));
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
+    }
+}
+
+/// Inverse rotary frequencies `1 / base^(2i/dim)` for i < dim/2, computed as torch does (f32).
+pub fn inverse_frequencies(base: f64, dim: i64, device: tch::Device) -> Tensor {
+    let exponents =
+        Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / dim as f64;
+    Tensor::pow_scalar(base, &exponents).reciprocal()
+}
+
+/// Rotates half the last dimension: (x1, x2) → (−x2, x1).
+pub fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size().last().copied().expect("rotary input has a last dimension") / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    Tensor::cat(&[x2.neg(), x1], -1)
+}
+
+/// `x·cos + rotate_half(x)·sin`, with cos/sin broadcastable to x.
+pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    x * cos + rotate_half(x) * sin
+}
+
+/// Additive causal mask (n, past + n) for n new rows after `past` cached ones.
+pub fn causal_mask(past: i64, n: i64, kind: Kind, device: tch::Device) -> Tensor {
+    let rows = Tensor::arange(n, (Kind::Int64, device)).unsqueeze(1) + past;
+    let cols = Tensor::arange(past + n, (Kind::Int64, device)).unsqueeze(0);
+    let blocked = cols.gt_tensor(&rows);
+    Tensor::zeros([n, past + n], (kind, device)).masked_fill(&blocked, f64::NEG_INFINITY)
+}
+
+/// Non-causal attention over independent segments of a packed sequence (vision tower: one
+/// segment per image or per window). q, k, v: (heads, N, head_dim); returns (N, heads·head_dim).
+pub fn segmented_attention(q: &Tensor, k: &Tensor, v: &Tensor, segments: &[(i64, i64)]) -> Tensor {
+    let outputs: Vec<Tensor> = segments
+        .iter()
+        .map(|&(start, len)| {
+            let slice = |t: &Tensor| t.narrow(1, start, len).unsqueeze(0);
+            Tensor::scaled_dot_product_attention(
+                &slice(q),
+                &slice(k),
+                &slice(v),
+                None::<Tensor>,
+                0.0,
+                false,
+                None,
+                false,
+            )
+            .squeeze_dim(0)
+        })
+        .collect();
+    let out = Tensor::cat(&outputs, 1); // (heads, N, head_dim)
+    let heads = out.size()[0];
+    let n = out.size()[1];
+    out.transpose(0, 1).contiguous().view([n, heads * out.size()[2]])
+}

@@ -1,0 +1,131 @@
+//! Drafting engines and their per-generation sessions, as both services drive them: drafter-svc
+//! behind its gRPC stream, the verifier in process (prompt lookup). An engine holds what sessions
+//! share (weights, a reference table); a session holds one generation's context (token history,
+//! draft KV cache) and answers one tree per round.
+
+use tch::{Kind, Tensor};
+
+use crate::tree::{TokenId, Tree};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("context rows start at position {got}, the session holds {expected}")]
+    ContextGap { expected: usize, got: usize },
+    #[error("root at position {root}, but the session's context ends at {context}")]
+    RootPosition { root: usize, context: usize },
+    #[error("context states: {0}")]
+    States(String),
+    #[error("draft session is out of room: {0}")]
+    Capacity(String),
+    #[error("drafting failed: {0}")]
+    Internal(String),
+}
+
+/// What kind of drafter an engine is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrafterKind {
+    /// The GLANCE block head reading the target's tap states.
+    BlockHead,
+    /// Prompt-lookup n-gram drafting: no weights, no tap states.
+    PromptLookup,
+    /// Test drafters: the known greedy continuation, or random trees.
+    TestOracle,
+    TestGarbage,
+}
+
+/// What an engine is, so that a verifier can refuse a drafter that does not fit its target.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Handshake {
+    pub kind: DrafterKind,
+    /// Block size B: a round drafts at most B−1 tokens past the root.
+    pub block_size: usize,
+    pub mask_token_id: TokenId,
+    /// Target decoder layers whose outputs the engine reads (empty: none).
+    pub tap_layers: Vec<usize>,
+    /// Width of each tap (the target's hidden size); 0 when no taps are read.
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    /// Dtype the engine wants the tap states in (f32, bf16 or f16).
+    pub dtype: Kind,
+    /// Fingerprint of the target the engine was built for; empty for any target.
+    pub target_fingerprint: String,
+    /// Largest tree the engine returns.
+    pub max_tree_nodes: usize,
+}
+
+impl Handshake {
+    /// A drafter that reads no tap states and works with any target.
+    pub fn stateless(kind: DrafterKind, block_size: usize, vocab_size: usize) -> Self {
+        Self {
+            kind,
+            block_size,
+            mask_token_id: 0,
+            tap_layers: Vec::new(),
+            hidden_size: 0,
+            vocab_size,
+            dtype: Kind::Float,
+            target_fingerprint: String::new(),
+            max_tree_nodes: MAX_TREE_NODES,
+        }
+    }
+}
+
+/// Most nodes a tree may have, whatever a request asks.
+pub const MAX_TREE_NODES: usize = 1024;
+
+/// What a round asks for.
+#[derive(Clone, Copy, Debug)]
+pub struct RoundInput {
+    pub root_token: TokenId,
+    pub root_position: usize,
+    pub budget: usize,
+    pub branch_k: usize,
+}
+
+/// Shared by all sessions of one drafter process.
+pub trait DraftEngine: Send + Sync {
+    fn handshake(&self) -> Handshake;
+    fn new_session(&self) -> Box<dyn Session>;
+}
+
+/// One generation.
+pub trait Session: Send {
+    /// Appends committed positions. `states` (rows, taps·hidden) for engines that read them.
+    fn append_context(
+        &mut self,
+        first_position: usize,
+        tokens: &[TokenId],
+        states: Option<Tensor>,
+    ) -> Result<(), DraftError>;
+    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError>;
+}
+
+/// The token history every session keeps, with the gap and root checks all engines need.
+#[derive(Default)]
+pub struct TokenHistory {
+    pub tokens: Vec<TokenId>,
+}
+
+impl TokenHistory {
+    pub fn append(&mut self, first_position: usize, tokens: &[TokenId]) -> Result<(), DraftError> {
+        if first_position != self.tokens.len() {
+            return Err(DraftError::ContextGap { expected: self.tokens.len(), got: first_position });
+        }
+        self.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    pub fn check_root(&self, round: &RoundInput) -> Result<(), DraftError> {
+        if round.root_position != self.tokens.len() {
+            return Err(DraftError::RootPosition { root: round.root_position, context: self.tokens.len() });
+        }
+        Ok(())
+    }
+
+    /// History with the root appended: the sequence the next tokens continue.
+    pub fn with_root(&self, root: TokenId) -> Vec<TokenId> {
+        let mut all = self.tokens.clone();
+        all.push(root);
+        all
+    }
+}

@@ -1,0 +1,407 @@
+//! The candidate tree both services agree on: how the drafter builds it from one block-draft
+//! pass (glance.md §4: per-offset top-k marginals turned, with no further draft passes, into the
+//! prefix-closed set of the `budget` most probable paths under the factorized score Σ log q_j —
+//! GLANCE's `build_budget_tree`, reproduced node for node), the validator the
+//! verifier applies to every tree it receives, the acceptance walk, and the ancestor-only layout of
+//! the verify pass's attention mask.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use tch::{Kind, Tensor};
+
+/// A token id of the target's vocabulary.
+pub type TokenId = u32;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TreeError {
+    #[error("draft logits of shape {0:?}, expected [offsets, vocab]")]
+    LogitsShape(Vec<i64>),
+    #[error("tree arrays disagree: {tokens} tokens, {parents} parents, {depths} depths")]
+    LengthMismatch { tokens: usize, parents: usize, depths: usize },
+    #[error("tree of {nodes} nodes exceeds the limit of {max}")]
+    TooManyNodes { nodes: usize, max: usize },
+    #[error("node {index}: token {token} outside the vocabulary of {vocab}")]
+    TokenOutOfVocab { index: usize, token: TokenId, vocab: usize },
+    #[error("node {index}: parent {parent} is not -1 or an earlier node")]
+    BadParent { index: usize, parent: i32 },
+    #[error("node {index}: depth {depth}, but its parent's depth + 1 is {expected}")]
+    BadDepth { index: usize, depth: u32, expected: u64 },
+    #[error("node {index}: depth {depth} exceeds the limit of {max}")]
+    TooDeep { index: usize, depth: u32, max: usize },
+}
+
+/// A candidate tree in packed order (parents before children), as parallel arrays (the wire's
+/// layout). The root is implicit: depth 0, addressed by parent −1.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Tree {
+    pub tokens: Vec<TokenId>,
+    /// Index of each node's parent, −1 for a child of the root.
+    pub parents: Vec<i32>,
+    /// Block offset of each node: its parent's depth + 1.
+    pub depths: Vec<u32>,
+    /// Cumulative log-probability of the path root → node under the drafter (0 where unknown).
+    pub log_probs: Vec<f64>,
+}
+
+/// What a received tree must stay within.
+#[derive(Clone, Copy, Debug)]
+pub struct TreeLimits {
+    pub vocab: usize,
+    pub max_nodes: usize,
+    pub max_depth: usize,
+}
+
+impl Tree {
+    /// A single path: each node the child of the previous one.
+    pub fn chain(tokens: &[TokenId]) -> Self {
+        let mut tree = Self::default();
+        for &token in tokens {
+            tree.push(token, tree.len() as i32 - 1, 0.0);
+        }
+        tree
+    }
+
+    /// Appends a node under `parent` (−1: the root); returns its index.
+    pub fn push(&mut self, token: TokenId, parent: i32, log_prob: f64) -> i32 {
+        let depth = if parent < 0 { 1 } else { self.depths[parent as usize] + 1 };
+        self.tokens.push(token);
+        self.parents.push(parent);
+        self.depths.push(depth);
+        self.log_probs.push(log_prob);
+        (self.tokens.len() - 1) as i32
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Keeps the first `n` nodes (still a valid tree: parents precede children).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        self.parents.truncate(n);
+        self.depths.truncate(n);
+        self.log_probs.truncate(n);
+    }
+
+    /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
+    /// earlier node, every depth is its parent's + 1, tokens are in the vocabulary, and the tree
+    /// is within the node and depth limits.
+    pub fn validate(&self, limits: TreeLimits) -> Result<(), TreeError> {
+        let (tokens, parents, depths) = (&self.tokens, &self.parents, &self.depths);
+        if tokens.len() != parents.len() || tokens.len() != depths.len() {
+            return Err(TreeError::LengthMismatch {
+                tokens: tokens.len(),
+                parents: parents.len(),
+                depths: depths.len(),
+            });
+        }
+        if tokens.len() > limits.max_nodes {
+            return Err(TreeError::TooManyNodes { nodes: tokens.len(), max: limits.max_nodes });
+        }
+        for (index, ((&token, &parent), &depth)) in tokens.iter().zip(parents).zip(depths).enumerate() {
+            if token as usize >= limits.vocab {
+                return Err(TreeError::TokenOutOfVocab { index, token, vocab: limits.vocab });
+            }
+            let parent_depth = match parent {
+                -1 => 0,
+                p if p >= 0 && (p as usize) < index => u64::from(depths[p as usize]),
+                _ => return Err(TreeError::BadParent { index, parent }),
+            };
+            if u64::from(depth) != parent_depth + 1 {
+                return Err(TreeError::BadDepth { index, depth, expected: parent_depth + 1 });
+            }
+            if depth as usize > limits.max_depth {
+                return Err(TreeError::TooDeep { index, depth, max: limits.max_depth });
+            }
+        }
+        Ok(())
+    }
+
+    /// The acceptance walk: follows the target's choice from the root through children carrying
+    /// that token. `choice_per_row[0]` is the target's choice after the root, `choice_per_row[i+1]`
+    /// after node i. Returns the accepted node indices and the bonus token (the choice where no
+    /// child matches). The tree must be valid.
+    pub fn accepted_path(&self, choice_per_row: &[TokenId]) -> (Vec<usize>, TokenId) {
+        let mut path = Vec::new();
+        let mut cursor: i32 = -1;
+        loop {
+            let wanted = choice_per_row[(cursor + 1) as usize];
+            let next = (0..self.len()).find(|&i| self.parents[i] == cursor && self.tokens[i] == wanted);
+            match next {
+                Some(i) => {
+                    path.push(i);
+                    cursor = i as i32;
+                }
+                None => return (path, wanted),
+            }
+        }
+    }
+
+    /// Which rows of the packed `[root, node 0, node 1, …]` each row may attend to: itself and its
+    /// ancestors, nothing else. Row-major (1+N)×(1+N). The tree must be valid.
+    pub fn ancestor_visibility(&self) -> Vec<bool> {
+        let pack = self.len() + 1;
+        let mut visible = vec![false; pack * pack];
+        visible[0] = true;
+        for (i, &parent) in self.parents.iter().enumerate() {
+            let (row, parent_row) = (i + 1, (parent + 1) as usize);
+            let (from, to) = (parent_row * pack, row * pack);
+            visible.copy_within(from..from + pack, to);
+            visible[to + row] = true;
+        }
+        visible
+    }
+}
+
+/// Per offset: the `k` most probable tokens and their log-probabilities, best first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Marginals {
+    /// ids[d][r]: rank-r token at offset d+1.
+    pub ids: Vec<Vec<TokenId>>,
+    /// log_probs[d][r]: its log-probability (f32, as computed).
+    pub log_probs: Vec<Vec<f32>>,
+}
+
+impl Marginals {
+    /// From draft logits (L, V), any dtype and device: float32 log-softmax, then `torch.topk`
+    /// (sorted descending, ties as torch orders them). `k` is clamped to V.
+    pub fn top_k(logits: &Tensor, k: usize) -> Result<Self, TreeError> {
+        let size = logits.size();
+        let [offsets, vocab] = size[..] else {
+            return Err(TreeError::LogitsShape(size));
+        };
+        let k = (k as i64).min(vocab);
+        let (values, indices) =
+            tch::no_grad(|| logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float).topk(k, -1, true, true));
+        let values = Vec::<f32>::try_from(values.to_device(tch::Device::Cpu).flatten(0, -1))
+            .map_err(|_| TreeError::LogitsShape(size.clone()))?;
+        let indices = Vec::<i64>::try_from(indices.to_device(tch::Device::Cpu).flatten(0, -1))
+            .map_err(|_| TreeError::LogitsShape(size.clone()))?;
+        let ids: Vec<TokenId> = indices.iter().map(|&i| i as TokenId).collect();
+        let (offsets, k) = (offsets as usize, k as usize);
+        Ok(Self { ids: split_rows(&ids, offsets, k), log_probs: split_rows(&values, offsets, k) })
+    }
+
+    /// Offsets with candidates.
+    pub fn depth(&self) -> usize {
+        self.ids.len().min(self.log_probs.len())
+    }
+
+    /// Candidates every offset has.
+    fn width(&self) -> usize {
+        (0..self.depth()).map(|d| self.ids[d].len().min(self.log_probs[d].len())).min().unwrap_or(0)
+    }
+
+    /// Log-probability of rank `rank` at offset `depth`+1; NaN counts as −∞.
+    fn log_prob(&self, depth: usize, rank: usize) -> f64 {
+        let value = f64::from(self.log_probs[depth][rank]);
+        if value.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            value
+        }
+    }
+}
+
+/// `rows` consecutive rows of `width` from a row-major buffer.
+fn split_rows<T: Copy>(flat: &[T], rows: usize, width: usize) -> Vec<Vec<T>> {
+    (0..rows).map(|r| flat[r * width..(r + 1) * width].to_vec()).collect()
+}
+
+/// A pending expansion, ordered as GLANCE's Python heap tuple
+/// `(neg_cum, depth, parent, rank, order)` compares: lexicographically, floats by value (so
+/// −0.0 equals 0.0). `order` is unique, so no two entries are equal and the pop order is fully
+/// determined.
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    neg_cum: f64,
+    depth: usize,
+    parent: i32,
+    rank: usize,
+    order: u64,
+}
+
+impl Candidate {
+    fn python_order(&self, other: &Self) -> Ordering {
+        // NaN never gets here (sanitized on input), so `partial_cmp` is total.
+        self.neg_cum
+            .partial_cmp(&other.neg_cum)
+            .unwrap_or(Ordering::Equal)
+            .then(self.depth.cmp(&other.depth))
+            .then(self.parent.cmp(&other.parent))
+            .then(self.rank.cmp(&other.rank))
+            .then(self.order.cmp(&other.order))
+    }
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Candidate {}
+
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Candidate {
+    /// Reversed, so std's max-heap pops the smallest tuple first, as `heapq` does.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.python_order(self)
+    }
+}
+
+/// GLANCE's `build_budget_tree`: best-first expansion on cumulative log-probability, keeping at
+/// most `budget` nodes, each node offering `branch_k` children (clamped to the narrowest row).
+/// Cumulative sums are f64 from the f32 log-probabilities, as the Python floats are. Nodes come
+/// in pop order: parents before children. The caller bounds `budget`.
+pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize) -> Tree {
+    let depth_max = marginals.depth();
+    let k = branch_k.min(marginals.width());
+    let mut heap = BinaryHeap::new();
+    let mut order = 0u64;
+    let mut push = |heap: &mut BinaryHeap<Candidate>, neg_cum, depth, parent, rank| {
+        heap.push(Candidate { neg_cum, depth, parent, rank, order });
+        order += 1;
+    };
+    if depth_max > 0 {
+        for r in 0..k {
+            push(&mut heap, -marginals.log_prob(0, r), 1, -1, r);
+        }
+    }
+    let mut tree = Tree::default();
+    while tree.len() < budget {
+        let Some(best) = heap.pop() else { break };
+        let here = tree.push(marginals.ids[best.depth - 1][best.rank], best.parent, -best.neg_cum);
+        if best.depth < depth_max {
+            for r in 0..k {
+                push(&mut heap, best.neg_cum - marginals.log_prob(best.depth, r), best.depth + 1, here, r);
+            }
+        }
+    }
+    tree
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marginals(ids: Vec<Vec<TokenId>>, log_probs: Vec<Vec<f32>>) -> Marginals {
+        Marginals { ids, log_probs }
+    }
+
+    /// (token, depth, parent) of every node.
+    fn shape(tree: &Tree) -> Vec<(TokenId, u32, i32)> {
+        (0..tree.len()).map(|i| (tree.tokens[i], tree.depths[i], tree.parents[i])).collect()
+    }
+
+    const LIMITS: TreeLimits = TreeLimits { vocab: 10, max_nodes: 8, max_depth: 8 };
+
+    #[test]
+    fn best_first_and_prefix_closed() {
+        let m = marginals(
+            vec![vec![10, 11], vec![20, 21], vec![30, 31]],
+            vec![vec![-0.1, -2.0], vec![-0.5, -0.7], vec![-3.0, -4.0]],
+        );
+        let tree = build_budget_tree(&m, 4, 2);
+        // 10 (-0.1), 10>20 (-0.6), 10>21 (-0.8), 11 (-2.0)
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0), (21, 2, 0), (11, 1, -1)]);
+        assert!((tree.log_probs[1] - (-0.1f32 as f64 + -0.5f32 as f64)).abs() < 1e-12);
+        assert_eq!(tree.validate(TreeLimits { vocab: 100, max_nodes: 64, max_depth: 15 }), Ok(()));
+        // Budget beyond the whole tree: all 2 + 4 + 8 nodes.
+        assert_eq!(build_budget_tree(&m, 100, 2).len(), 14);
+        assert!(build_budget_tree(&m, 10, 0).is_empty());
+        assert!(build_budget_tree(&Marginals::default(), 10, 8).is_empty());
+    }
+
+    #[test]
+    fn signed_zeros_tie_like_python() {
+        // The sibling's key is -(-0.0) = +0.0, the child's -0.0 - 0.0 = -0.0. Python sees equal
+        // keys and lets the smaller depth win; a total float order would pick the child.
+        let m = marginals(vec![vec![1, 2], vec![3, 4]], vec![vec![0.0, -0.0], vec![0.0, -1.0]]);
+        let tree = build_budget_tree(&m, 3, 2);
+        assert_eq!(shape(&tree), vec![(1, 1, -1), (2, 1, -1), (3, 2, 0)]);
+    }
+
+    #[test]
+    fn a_chain_is_one_path() {
+        assert_eq!(shape(&Tree::chain(&[4, 5])), vec![(4, 1, -1), (5, 2, 0)]);
+    }
+
+    #[test]
+    fn validator_rejects_malformed_trees() {
+        let tree = |tokens: &[TokenId], parents: &[i32], depths: &[u32]| Tree {
+            tokens: tokens.to_vec(),
+            parents: parents.to_vec(),
+            depths: depths.to_vec(),
+            log_probs: vec![0.0; tokens.len()],
+        };
+        let ok = tree(&[1, 2, 3], &[-1, 0, 0], &[1, 2, 2]);
+        assert_eq!(ok.validate(TreeLimits { max_nodes: 3, max_depth: 2, ..LIMITS }), Ok(()));
+        let with = |max_nodes, max_depth| TreeLimits { max_nodes, max_depth, ..LIMITS };
+        let cases = [
+            (tree(&[1, 2], &[-1], &[1, 2]), LIMITS),
+            (tree(&[1, 2, 3], &[-1, 0, 1], &[1, 2, 3]), with(2, 8)),
+            (tree(&[1, 10], &[-1, 0], &[1, 2]), LIMITS),
+            (tree(&[1, 2], &[-1, 1], &[1, 2]), LIMITS),
+            (tree(&[1, 2], &[-1, -2], &[1, 2]), LIMITS),
+            (tree(&[1, 2], &[1, -1], &[2, 1]), LIMITS),
+            (tree(&[1, 2], &[-1, 0], &[1, 3]), LIMITS),
+            (tree(&[1], &[-1], &[0]), LIMITS),
+            (tree(&[1, 2, 3], &[-1, 0, 1], &[1, 2, 3]), with(8, 2)),
+        ];
+        for (i, (tree, limits)) in cases.iter().enumerate() {
+            assert!(tree.validate(*limits).is_err(), "case {i} accepted");
+        }
+    }
+
+    #[test]
+    fn walk_follows_matching_children_and_returns_the_bonus() {
+        // root → a(0) → c(2); root → b(1)
+        let mut tree = Tree::default();
+        tree.push(10, -1, 0.0);
+        tree.push(11, -1, 0.0);
+        tree.push(12, 0, 0.0);
+        // rows: root, a, b, c
+        assert_eq!(tree.accepted_path(&[10, 12, 99, 7]), (vec![0, 2], 7));
+        assert_eq!(tree.accepted_path(&[11, 0, 5, 0]), (vec![1], 5));
+        assert_eq!(tree.accepted_path(&[42, 0, 0, 0]), (vec![], 42));
+    }
+
+    #[test]
+    fn each_row_sees_itself_and_its_ancestors_only() {
+        let tree = Tree {
+            parents: vec![-1, -1, 0],
+            depths: vec![1, 1, 2],
+            tokens: vec![1, 2, 3],
+            log_probs: vec![0.0; 3],
+        };
+        let visible = tree.ancestor_visibility();
+        let row = |r: usize| visible[r * 4..(r + 1) * 4].to_vec();
+        assert_eq!(row(0), [true, false, false, false]);
+        assert_eq!(row(1), [true, true, false, false]);
+        assert_eq!(row(2), [true, false, true, false]);
+        assert_eq!(row(3), [true, true, false, true]);
+    }
+
+    #[test]
+    fn top_k_matches_torch() {
+        let logits = Tensor::from_slice(&[1.0f32, 3.0, 2.0, 3.0, 0.0, 0.0]).view([2, 3]);
+        let m = Marginals::top_k(&logits, 2).unwrap();
+        assert_eq!(m.ids[0][0], 1);
+        assert_eq!(m.ids[1][0], 0);
+        let expected = 3.0 - (1f64.exp() + 3f64.exp() + 2f64.exp()).ln();
+        assert!((f64::from(m.log_probs[0][0]) - expected).abs() < 1e-6);
+        assert_eq!(Marginals::top_k(&logits, 10).unwrap().ids[0].len(), 3);
+        assert!(Marginals::top_k(&Tensor::zeros([3], (Kind::Float, tch::Device::Cpu)), 2).is_err());
+    }
+}

@@ -1,0 +1,139 @@
+//! glance-codec: the wire codec between the services — tensors as dtype name, shape and
+//! little-endian row-major bytes, and the drafter protocol's messages to and from the shared types
+//! of `glance-spec` (the tree, the handshake).
+
+use glance_spec::session::{DrafterKind, Handshake};
+use glance_spec::tree::Tree;
+use tch::{Device, Kind, Tensor};
+
+use glance_proto::drafter::v1 as pb;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("unsupported tensor dtype {0:?} (f32, bf16, f16)")]
+    Dtype(String),
+    #[error("tensor of shape {shape:?} and dtype {dtype} needs {expected} bytes, got {got}")]
+    Size { shape: Vec<u64>, dtype: String, expected: usize, got: usize },
+}
+
+/// Wire name of a floating kind.
+pub fn kind_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    }
+}
+
+/// The kind a wire name stands for, and its element size.
+fn kind_of(name: &str) -> Option<(Kind, usize)> {
+    match name {
+        "f32" => Some((Kind::Float, 4)),
+        "bf16" => Some((Kind::BFloat16, 2)),
+        "f16" => Some((Kind::Half, 2)),
+        _ => None,
+    }
+}
+
+/// Serializes `tensor` as `kind` (bf16/f16 on the wire halve the bytes of f32 states).
+pub fn encode(tensor: &Tensor, kind: Kind) -> pb::TensorData {
+    let cpu = tensor.to_device(Device::Cpu).to_kind(kind).contiguous();
+    let numel = cpu.numel();
+    let element = kind_of(kind_name(kind)).map(|(_, size)| size).unwrap_or(4);
+    let mut data = vec![0u8; numel * element];
+    cpu.copy_data_u8(&mut data, numel);
+    pb::TensorData {
+        dtype: kind_name(kind).to_string(),
+        shape: cpu.size().iter().map(|&d| d as u64).collect(),
+        data,
+    }
+}
+
+/// Deserializes, checking that the byte count matches dtype and shape.
+pub fn decode(data: &pb::TensorData, device: Device) -> Result<Tensor, WireError> {
+    let (kind, element) = kind_of(&data.dtype).ok_or_else(|| WireError::Dtype(data.dtype.clone()))?;
+    let numel = data.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
+    let expected = numel.and_then(|n| n.checked_mul(element));
+    if expected != Some(data.data.len()) {
+        return Err(WireError::Size {
+            shape: data.shape.clone(),
+            dtype: data.dtype.clone(),
+            expected: expected.unwrap_or(usize::MAX),
+            got: data.data.len(),
+        });
+    }
+    let shape: Vec<i64> = data.shape.iter().map(|&d| d as i64).collect();
+    Ok(Tensor::from_data_size(&data.data, &shape, kind).to_device(device))
+}
+
+/// A drafted tree as the drafter answers a round (`draft_ms`: its time on the round).
+pub fn tree_response(tree: Tree, draft_ms: f64) -> pb::DraftResponse {
+    pb::DraftResponse {
+        tokens: tree.tokens,
+        parents: tree.parents,
+        depths: tree.depths,
+        log_probs: tree.log_probs.iter().map(|&lp| lp as f32).collect(),
+        draft_ms,
+    }
+}
+
+/// The tree of a drafter's answer, not yet validated.
+pub fn response_tree(response: pb::DraftResponse) -> Tree {
+    Tree {
+        tokens: response.tokens,
+        parents: response.parents,
+        depths: response.depths,
+        log_probs: response.log_probs.iter().map(|&lp| f64::from(lp)).collect(),
+    }
+}
+
+/// The handshake as the drafter answers it.
+pub fn handshake_response(h: Handshake) -> pb::HandshakeResponse {
+    let kind = match h.kind {
+        DrafterKind::BlockHead => pb::DrafterKind::BlockHead,
+        DrafterKind::PromptLookup => pb::DrafterKind::PromptLookup,
+        DrafterKind::TestOracle => pb::DrafterKind::TestOracle,
+        DrafterKind::TestGarbage => pb::DrafterKind::TestGarbage,
+    };
+    pb::HandshakeResponse {
+        kind: kind as i32,
+        block_size: h.block_size as u32,
+        mask_token_id: h.mask_token_id,
+        tap_layers: h.tap_layers.iter().map(|&l| l as u32).collect(),
+        hidden_size: h.hidden_size as u32,
+        vocab_size: h.vocab_size as u32,
+        dtype: kind_name(h.dtype).to_string(),
+        target_fingerprint: h.target_fingerprint,
+        max_tree_nodes: h.max_tree_nodes as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_checks_sizes() {
+        let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]) / 3.0;
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let wire = encode(&t, kind);
+            let back = decode(&wire, Device::Cpu).unwrap();
+            assert_eq!(back.size(), vec![3, 4]);
+            let diff = (back.to_kind(Kind::Float) - &t).abs().max().double_value(&[]);
+            assert!(diff < 0.02, "{kind:?}: {diff}");
+        }
+        let mut bad = encode(&t, Kind::Float);
+        bad.data.pop();
+        assert!(decode(&bad, Device::Cpu).is_err());
+        bad.dtype = "int8".into();
+        assert!(decode(&bad, Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn trees_cross_the_wire_unchanged() {
+        let mut tree = Tree::default();
+        tree.push(7, -1, -0.5);
+        tree.push(9, 0, -1.25);
+        assert_eq!(response_tree(tree_response(tree.clone(), 1.0)), tree);
+    }
+}
