@@ -52,7 +52,7 @@ echo "demo: the text drawn in the image:"
 sed '1,2d' <<<"$sample" | sed 's/^/    /'
 # One short request first, so the measured ones run warm.
 ./target/release/glance --addr "http://$verifier" generate --image "$image" --prompt "$prompt" \
-  --max-new-tokens 8 --mode tree >/dev/null
-echo "demo: the answer (GLANCE tree; the same request is also decoded greedily to time it):"
+  --max-new-tokens 8 --mode auto >/dev/null
+echo "demo: the answer (auto: the cost-aware round policy over GLANCE trees; the same request is also decoded greedily to time it):"
 ./target/release/glance --addr "http://$verifier" compare --image "$image" --prompt "$prompt" \
   --max-new-tokens 64

@@ -9,16 +9,17 @@ use glance_tests::fixtures;
 use glance_tests::process::ServiceProcess;
 use glance_tests::suite::{self, SuitePrompt};
 
-/// Streams one request; calls `midway` once `after` tokens have arrived; returns the tokens and
-/// the final stats.
+/// Streams one request in `mode`; calls `midway` once `after` tokens have arrived; returns the
+/// tokens and the final stats.
 async fn stream_with(
     url: &str,
     prompt: &SuitePrompt,
+    mode: pb::DecodingMode,
     after: usize,
     midway: impl FnOnce(),
 ) -> (Vec<i64>, pb::SpeculativeStats) {
     let mut client = GenerationClient::connect(url.to_string()).await.expect("connect");
-    let request = suite::request(prompt, pb::DecodingMode::SpeculativeTree, 0);
+    let request = suite::request(prompt, mode, 0);
     let mut stream = client.generate_stream(request).await.expect("stream").into_inner();
     let (mut tokens, mut stats, mut midway) = (Vec::new(), None, Some(midway));
     while let Some(chunk) = stream.message().await.expect("the stream must end cleanly") {
@@ -50,7 +51,8 @@ async fn killed_then_restarted_drafter_loses_no_request() {
 
     // Kill the drafter 100 tokens into a long generation.
     let long = prompts.iter().find(|p| p.ignore_eos).expect("a prompt that ignores EOS");
-    let (tokens, stats) = stream_with(&verifier.url, long, 100, || drafter.kill()).await;
+    let tree = pb::DecodingMode::SpeculativeTree;
+    let (tokens, stats) = stream_with(&verifier.url, long, tree, 100, || drafter.kill()).await;
     assert_eq!(tokens, long.greedy, "tokens changed when the drafter died");
     assert!(stats.rounds > 0, "nothing was drafted before the kill");
     assert!(stats.fallback_rounds > 0, "no fallback rounds after the kill: {stats:?}");
@@ -58,7 +60,7 @@ async fn killed_then_restarted_drafter_loses_no_request() {
 
     // Restart it where the verifier expects it while a generation runs.
     let mut restarted = None;
-    let (tokens, stats) = stream_with(&verifier.url, long, 100, || {
+    let (tokens, stats) = stream_with(&verifier.url, long, tree, 100, || {
         restarted = Some(ServiceProcess::drafter_at(&drafter_addr, &drafter_args));
     })
     .await;
@@ -85,7 +87,17 @@ async fn killed_then_restarted_drafter_loses_no_request() {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
     assert!(resumed.is_some(), "speculation did not resume after the drafter came back");
-    drop(restarted);
+
+    // The auto policy under the same faults: killed mid-request, then back.
+    let (tokens, _) =
+        stream_with(&verifier.url, long, pb::DecodingMode::Auto, 100, || drop(restarted.take())).await;
+    assert_eq!(tokens, long.greedy, "auto: tokens changed when the drafter died");
+    let mut back = None;
+    let (tokens, _) = stream_with(&verifier.url, long, pb::DecodingMode::Auto, 100, || {
+        back = Some(ServiceProcess::drafter_at(&drafter_addr, &drafter_args));
+    })
+    .await;
+    assert_eq!(tokens, long.greedy, "auto: tokens changed across the restart");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,7 +123,8 @@ async fn a_stalling_drafter_is_not_waited_for() {
         ServiceProcess::verifier(&dir, &["--drafter", &drafter.url, "--drafter-deadline-ms", "150"]);
     let mut fallback = 0;
     for prompt in &prompts {
-        let (tokens, stats) = stream_with(&verifier.url, prompt, usize::MAX, || {}).await;
+        let (tokens, stats) =
+            stream_with(&verifier.url, prompt, pb::DecodingMode::SpeculativeTree, usize::MAX, || {}).await;
         assert_eq!(tokens, prompt.greedy, "tokens changed under a stalling drafter");
         fallback += stats.fallback_rounds;
     }

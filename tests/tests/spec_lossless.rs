@@ -2,7 +2,8 @@
 //! family, half with images, 64 new tokens, some stopping at EOS), every speculative mode returns
 //! exactly the greedy tokens — with a randomly initialized block head (misses), with an oracle
 //! drafter whose top branch is the true continuation (deep commits, compaction, EOS inside
-//! accepted runs), with a garbage drafter that also sends malformed trees, and with prompt lookup.
+//! accepted runs), with a garbage drafter that also sends malformed trees, and with prompt lookup;
+//! the auto round policy runs over each block-head, oracle and garbage drafter too.
 
 use std::path::PathBuf;
 
@@ -91,6 +92,8 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             &format!("{family} random head, chain"),
         )
         .await;
+        run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} random head, auto"))
+            .await;
         drop((verifier, drafter));
 
         let oracle_file = scratch.join(format!("{family}-oracle.json"));
@@ -117,6 +120,11 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             oracle.mean_accepted_length
         );
         stop_strings_inside_accepted_runs(&verifier.url, &prompts, family).await;
+        accepted_runs_past_the_token_limit(&verifier.url, &prompts, family).await;
+        let auto =
+            run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} oracle, auto"))
+                .await;
+        assert!(auto.rounds > 0, "auto never drafted with an oracle drafter");
         drop((verifier, drafter));
 
         let drafter = ServiceProcess::drafter(&[
@@ -136,6 +144,22 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         )
         .await;
         assert!(garbage.rejected_trees > 0, "no malformed tree was refused");
+        run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} garbage, auto")).await;
+    }
+}
+
+/// A round whose accepted run goes past `max_new_tokens` commits only up to the limit: the output
+/// is the greedy output's prefix, in every drafting mode.
+async fn accepted_runs_past_the_token_limit(url: &str, prompts: &[SuitePrompt], family: &str) {
+    let mut client = GenerationClient::connect(url.to_string()).await.expect("connect");
+    for mode in [pb::DecodingMode::SpeculativeTree, pb::DecodingMode::Auto] {
+        for prompt in prompts.iter().filter(|p| p.greedy.len() > 8).take(4) {
+            let mut request = suite::request(prompt, mode, 0);
+            request.max_new_tokens = 5;
+            let response = client.generate(request).await.expect("a short request").into_inner();
+            let tokens: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
+            assert_eq!(tokens, prompt.greedy[..5], "{family} {mode:?}: a run past the limit");
+        }
     }
 }
 

@@ -76,6 +76,8 @@ pub struct Args {
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 pub enum ModeArg {
+    /// The cost-aware round policy over GLANCE trees (the default with a drafter).
+    Auto,
     Autoregressive,
     SpeculativeTree,
     SpeculativeChain,

@@ -21,6 +21,7 @@ use crate::drafter_client::{RemoteDrafter, RemoteProvider};
 use crate::error::VerifierError;
 use crate::local_drafter::LocalProvider;
 use crate::metrics as names;
+use crate::policy::{RoundPolicy, VerifyCost};
 use crate::speculative::{speculative_generate, DraftProvider, SpecParams, SpecStats};
 use crate::stop::TextAssembler;
 
@@ -37,6 +38,11 @@ pub enum Decoding {
     Chain,
     /// Prompt-lookup n-gram drafts.
     PromptLookup,
+    /// The cost-aware policy over GLANCE trees of at most `budget` nodes.
+    Auto {
+        budget: usize,
+        branch_k: usize,
+    },
 }
 
 /// A request that passed validation and preprocessing.
@@ -61,7 +67,7 @@ pub struct Job {
 #[derive(Debug)]
 pub enum Event {
     Chunk { text: String, token_ids: Vec<u32> },
-    Done(Summary),
+    Done(Box<Summary>),
     Failed(VerifierError),
 }
 
@@ -139,23 +145,27 @@ struct SharedModel(TargetModel);
 // cache, so concurrent forward passes on the engine threads share nothing mutable.
 unsafe impl Sync for SharedModel {}
 
-/// Starts `max_concurrent` engine threads sharing the model.
+/// Starts `max_concurrent` engine threads sharing the model; `costs` is the verify cost curve the
+/// auto policy starts from.
 pub fn start(
     model: TargetModel,
     prompts: Arc<PromptBuilder>,
     limits: EngineLimits,
     drafting: Drafting,
+    costs: VerifyCost,
 ) -> EngineHandle {
     let (jobs, queue) = std_mpsc::channel::<Job>();
     let queue = Arc::new(std::sync::Mutex::new(queue));
     let eos = prompts.eos_token_ids().iter().map(|&i| i as i64).collect::<Vec<_>>();
     let capacity = limits.max_concurrent.max(1) + limits.max_queue;
+    let prior = std::sync::Mutex::new(RoundPolicy::with_costs(costs));
     let worker = Arc::new(Worker {
         model: SharedModel(model),
         prompts: Arc::clone(&prompts),
         eos,
         limits: limits.clone(),
         drafting,
+        prior,
     });
     for i in 0..limits.max_concurrent.max(1) {
         let (worker, queue) = (Arc::clone(&worker), Arc::clone(&queue));
@@ -180,6 +190,9 @@ struct Worker {
     eos: Vec<i64>,
     limits: EngineLimits,
     drafting: Drafting,
+    /// The auto policy as the last auto request left it: what the next one starts from (costs,
+    /// calibration, the entropy law, the probe back-off).
+    prior: std::sync::Mutex<RoundPolicy>,
 }
 
 impl Worker {
@@ -197,7 +210,7 @@ impl Worker {
         let last = match outcome {
             Ok(Ok(summary)) => {
                 record_summary(&summary);
-                Event::Done(summary)
+                Event::Done(Box::new(summary))
             }
             Ok(Err(e)) => Event::Failed(e),
             Err(panic) => {
@@ -290,10 +303,36 @@ impl Worker {
                 let depth = provider.max_depth();
                 (Box::new(provider), SpecParams { budget: depth, branch_k: 1, log_rounds })
             }
+            Decoding::Auto { budget, branch_k } => {
+                (self.remote()?, SpecParams { budget, branch_k, log_rounds })
+            }
         };
-        let (generation, stats) =
-            speculative_generate(&self.model.0, inputs, params, spec, provider.as_mut(), on_token)?;
+        let mut policy = matches!(decoding, Decoding::Auto { .. }).then(|| self.policy());
+        let (generation, stats) = speculative_generate(
+            &self.model.0,
+            inputs,
+            params,
+            spec,
+            provider.as_mut(),
+            policy.as_mut(),
+            on_token,
+        )?;
+        if let Some(policy) = policy {
+            self.keep_prior(policy);
+        }
         Ok((generation, Some((decoding, spec, stats))))
+    }
+
+    /// An auto policy starting from what earlier requests learnt, with fresh stats.
+    fn policy(&self) -> RoundPolicy {
+        self.prior.lock().map(|p| p.for_new_request()).unwrap_or_default()
+    }
+
+    /// Keeps what a finished auto request learnt for the next one.
+    fn keep_prior(&self, policy: RoundPolicy) {
+        if let Ok(mut prior) = self.prior.lock() {
+            *prior = policy;
+        }
     }
 
     /// The remote drafter; while none has ever answered, a provider that never drafts, so the

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod error;
 pub mod local_drafter;
 pub mod metrics;
+pub mod policy;
 pub mod server;
 pub mod service;
 pub mod speculative;

@@ -19,6 +19,11 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::config::{Args, ModeArg};
 use crate::drafter_client::{DrafterError, RemoteDrafter, TargetDescription};
 use crate::engine::{self, Drafting, EngineLimits};
+use crate::policy::VerifyCost;
+use crate::speculative::measure_verify_costs;
+
+/// Largest pass the start-up sweep times (larger ones are extrapolated, then measured online).
+const CALIBRATION_ROWS: usize = 64;
 use crate::service::{DecodingDefaults, GenerationService, RequestLimits};
 
 /// Why the service could not start; printed and turned into a non-zero exit.
@@ -95,7 +100,13 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         remote: drafter.clone(),
         prompt_lookup: Arc::new(PromptLookupEngine::new(args.prompt_lookup_block, vocab)),
     };
-    let engine = engine::start(model, prompts, limits, drafting);
+    // The auto policy's cost curve, measured on this model and device before serving.
+    let costs = match drafter.is_some() {
+        true => measure_verify_costs(&model, CALIBRATION_ROWS).map_err(|e| model_err(e.to_string()))?,
+        false => VerifyCost::default(),
+    };
+    tracing::info!(rows_1_2_4_8_16_32_64 = ?[1, 2, 4, 8, 16, 32, 64].map(|r| costs.estimate(r).map(|s| (s * 1e4).round() / 10.0)), "verify cost (ms) by rows");
+    let engine = engine::start(model, prompts, limits, drafting, costs);
     let request_limits = RequestLimits {
         max_new_tokens: args.max_new_tokens_limit,
         max_images: args.max_images,
@@ -144,7 +155,8 @@ fn decoding_defaults(args: &Args, drafter_configured: bool) -> DecodingDefaults 
         Some(ModeArg::SpeculativeTree) => pb::DecodingMode::SpeculativeTree,
         Some(ModeArg::SpeculativeChain) => pb::DecodingMode::SpeculativeChain,
         Some(ModeArg::PromptLookup) => pb::DecodingMode::PromptLookup,
-        None if drafter_configured => pb::DecodingMode::SpeculativeTree,
+        Some(ModeArg::Auto) => pb::DecodingMode::Auto,
+        None if drafter_configured => pb::DecodingMode::Auto,
         None => pb::DecodingMode::Autoregressive,
     };
     DecodingDefaults {
@@ -167,7 +179,11 @@ fn model_info(
     let (min_pixels, max_pixels) = (image_config.min_pixels, image_config.max_pixels);
     let mut modes = vec![pb::DecodingMode::Autoregressive, pb::DecodingMode::PromptLookup];
     if defaults.drafter_configured {
-        modes.extend([pb::DecodingMode::SpeculativeTree, pb::DecodingMode::SpeculativeChain]);
+        modes.extend([
+            pb::DecodingMode::Auto,
+            pb::DecodingMode::SpeculativeTree,
+            pb::DecodingMode::SpeculativeChain,
+        ]);
     }
     pb::ModelInfoResponse {
         model_type: model.family.model_type().to_string(),

@@ -350,8 +350,10 @@ fn decoding(
             return Err(VerifierError::invalid("decoding.mode", format!("unknown mode {}", options.mode)))
         }
     };
-    let needs_drafter =
-        matches!(mode, pb::DecodingMode::SpeculativeTree | pb::DecodingMode::SpeculativeChain);
+    let needs_drafter = matches!(
+        mode,
+        pb::DecodingMode::SpeculativeTree | pb::DecodingMode::SpeculativeChain | pb::DecodingMode::Auto
+    );
     if needs_drafter && !defaults.drafter_configured {
         return Err(VerifierError::NoDrafter(format!(
             "decoding.mode {} needs a drafter; this server runs without one (start it with --drafter)",
@@ -371,6 +373,7 @@ fn decoding(
     }
     Ok(match mode {
         pb::DecodingMode::SpeculativeTree => Decoding::Tree { budget, branch_k },
+        pb::DecodingMode::Auto => Decoding::Auto { budget, branch_k },
         pb::DecodingMode::SpeculativeChain => Decoding::Chain,
         pb::DecodingMode::PromptLookup => Decoding::PromptLookup,
         _ => Decoding::Autoregressive,
@@ -393,6 +396,7 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
     let (decoding, spec, stats) = summary.speculative.as_ref()?;
     let mode = match decoding {
         Decoding::Tree { .. } => pb::DecodingMode::SpeculativeTree,
+        Decoding::Auto { .. } => pb::DecodingMode::Auto,
         Decoding::Chain => pb::DecodingMode::SpeculativeChain,
         Decoding::PromptLookup => pb::DecodingMode::PromptLookup,
         Decoding::Autoregressive => pb::DecodingMode::Autoregressive,
@@ -420,6 +424,12 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
                 tree_size: r.tree_size as u32,
             })
             .collect(),
+        auto: stats.policy.map(|p| pb::AutoStats {
+            greedy_steps: p.greedy_steps as u32,
+            declined_trees: p.declined_trees as u32,
+            mean_verified_nodes: p.mean_nodes(),
+            calibration_error: p.calibration_error(),
+        }),
     })
 }
 

@@ -13,6 +13,8 @@ use glance_models::decode::{
 use glance_models::kv_cache::KvCache;
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
+
+use crate::policy::{PolicyStats, RoundPolicy, VerifyCost};
 use tch::{Kind, Tensor};
 
 /// A drafter's answer to one round: the tree as sent (not yet trusted) and the drafter-side time.
@@ -84,6 +86,7 @@ impl DraftProvider for NoDrafter {
 /// Per-request speculative settings.
 #[derive(Clone, Copy, Debug)]
 pub struct SpecParams {
+    /// Most nodes a tree may have (auto verifies a best-first prefix of it).
     pub budget: usize,
     pub branch_k: usize,
     /// Record each drafted round's root entropy and accepted count.
@@ -122,6 +125,8 @@ pub struct SpecStats {
     pub hop_time: Duration,
     pub verify_time: Duration,
     pub bytes_sent: u64,
+    /// What the auto policy chose (auto mode only).
+    pub policy: Option<PolicyStats>,
 }
 
 impl SpecStats {
@@ -196,12 +201,15 @@ impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
 }
 
 /// Speculative generation. Produces exactly the tokens of [`glance_models::decode::greedy_generate`].
+/// With a `policy` (auto mode) each round may be a greedy step or verify only a best-first prefix
+/// of the tree; what is committed is the target's own argmax either way.
 pub fn speculative_generate(
     model: &TargetModel,
     inputs: &ModelInputs,
     params: &GreedyParams,
     spec: SpecParams,
     provider: &mut dyn DraftProvider,
+    mut policy: Option<&mut RoundPolicy>,
     on_token: impl FnMut(i64) -> StepControl,
 ) -> Result<(Generation, SpecStats), ModelError> {
     let _no_grad = tch::no_grad_guard();
@@ -221,12 +229,16 @@ pub fn speculative_generate(
     // The verify pass appends root + tree before compaction: room for the largest tree.
     let mut cache = model.new_cache(limit + spec.budget + 1);
     let width = taps.len() as i64 * model.text_config().hidden_size;
-    let mut history = History::new(limit + 1, width, model);
+    // A round may accept a whole path past the limit (the committer stops at the limit): room for
+    // the deepest one.
+    let mut history = History::new(limit + max_depth + 1, width, model);
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
     history.push(&inputs.input_ids, prompt_states.as_ref());
     let mut root = glance_models::decode::argmax_last(&logits);
+    // The target's entropy at the pending root: what the policy predicts a round from.
+    let mut root_entropy = policy.is_some().then(|| f64::from(entropy_nats(&logits.get(-1))));
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
@@ -237,55 +249,66 @@ pub fn speculative_generate(
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!("round", position = start).entered();
-        let tree = match session.as_mut() {
-            Some(s) => request_tree(s.as_mut(), &history, root, start, spec, &mut stats),
-            None => None,
-        };
-        let round = match tree {
-            Some(tree) => match tree.validate(limits) {
-                Ok(()) => Some(tree),
-                Err(reason) => {
-                    tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
-                    stats.rejected_trees += 1;
-                    None
+        let ask = session.is_some()
+            && policy.as_deref_mut().is_none_or(|p| p.should_draft(root_entropy, max_depth));
+        let mut round = None;
+        if let (true, Some(s)) = (ask, session.as_mut()) {
+            match request_tree(s.as_mut(), &history, root, start, spec, &mut stats) {
+                Some((tree, drafter_time)) => {
+                    if let Some(p) = policy.as_deref_mut() {
+                        p.observe_draft(drafter_time.as_secs_f64());
+                    }
+                    round = checked_tree(tree, limits, policy.as_deref_mut(), &mut stats);
                 }
-            },
-            None => {
-                // A failed session is dropped; a fresh one is tried after a few greedy rounds.
-                if session.take().is_some() {
+                None => {
+                    // A failed session is dropped; a fresh one is tried after a few greedy rounds.
+                    session = None;
                     retry.failed();
                 }
-                None
             }
-        };
+        }
+        let chose_greedy = round.is_none() && policy.is_some() && session.is_some();
         let verify_started = Instant::now();
         let verify_span = tracing::info_span!("verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
         let entered = verify_span.enter();
         let drafted = round.is_some();
-        let (committed, states) = match round {
+        let rows = 1 + round.as_ref().map_or(0, Tree::len);
+        let round_entropy = policy.is_some();
+        let (committed, states, next_entropy) = match round {
             Some(tree) => {
                 stats.draft_tokens += tree.tokens.len();
+                let entropies = Entropies { root: spec.log_rounds, next: round_entropy };
                 let verified =
-                    verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps, spec.log_rounds)?;
-                let (path_tokens, states) = (verified.committed, verified.states);
-                // path_tokens = [root, accepted…, bonus]: this round committed all but the root.
-                let accepted = path_tokens.len() - 2;
+                    verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps, entropies)?;
+                // committed = [root, accepted…, bonus]: this round committed all but the root.
+                let accepted = verified.path.len();
                 if let Some(root_entropy) = verified.root_entropy {
                     stats.round_logs.push(RoundLog { root_entropy, accepted, tree_size: tree.tokens.len() });
+                }
+                if let Some(p) = policy.as_deref_mut() {
+                    p.observe_round(&tree, tree.len(), &verified.path, root_entropy, max_depth);
                 }
                 stats.rounds += 1;
                 stats.committed_in_rounds += accepted + 1;
                 for count in &mut stats.accepted_per_depth[..accepted] {
                     *count += 1;
                 }
-                (path_tokens, states)
+                (verified.committed, verified.states, verified.next_entropy)
             }
             None => {
-                stats.fallback_rounds += 1;
-                greedy_step(model, &mut cache, inputs.rope_delta, root, &taps)?
+                if !chose_greedy {
+                    stats.fallback_rounds += 1;
+                }
+                let with_entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
+                greedy_step(model, &mut cache, inputs.rope_delta, root, &taps, with_entropy)?
             }
         };
-        stats.verify_time += verify_started.elapsed();
+        let verify_time = verify_started.elapsed();
+        stats.verify_time += verify_time;
+        if let Some(p) = policy.as_deref_mut() {
+            p.observe_verify(rows, verify_time.as_secs_f64());
+        }
+        root_entropy = next_entropy.map(f64::from);
         drop(entered);
         let _commit = tracing::info_span!("commit", tokens = committed.len() - 1).entered();
         // committed = [root, accepted…, bonus]; the cache now holds root + accepted.
@@ -314,6 +337,7 @@ pub fn speculative_generate(
     if let Some(s) = &session {
         stats.bytes_sent += s.bytes_sent();
     }
+    stats.policy = policy.map(|p| p.stats);
     let generation = Generation {
         tokens: committer.tokens,
         finish: committer.finish.unwrap_or(FinishKind::Length),
@@ -321,6 +345,76 @@ pub fn speculative_generate(
         decode_time: decode_started.elapsed(),
     };
     Ok((generation, stats))
+}
+
+/// A received tree that passed validation, cut by the policy to the prefix worth verifying;
+/// `None` when it is malformed or the policy verifies none of it (an empty tree included).
+fn checked_tree(
+    mut tree: Tree,
+    limits: TreeLimits,
+    policy: Option<&mut RoundPolicy>,
+    stats: &mut SpecStats,
+) -> Option<Tree> {
+    if let Err(reason) = tree.validate(limits) {
+        tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
+        stats.rejected_trees += 1;
+        return None;
+    }
+    match policy {
+        // Without a policy an empty tree is still a round (a one-row verify pass).
+        None => Some(tree),
+        Some(policy) => {
+            tree.truncate(policy.choose_nodes(&tree));
+            (!tree.is_empty()).then_some(tree)
+        }
+    }
+}
+
+/// The auto policy's start-up sweep: the time of a target pass over 1, 2, 4 … `max_rows` new rows
+/// after a context of `CALIBRATION_CONTEXT` positions (the best of three after a warm-up, the argmax read
+/// included, so a GPU pass is timed to completion). Online measurements refine it per request.
+pub fn measure_verify_costs(model: &TargetModel, max_rows: usize) -> Result<VerifyCost, ModelError> {
+    const CALIBRATION_CONTEXT: usize = 256;
+    let _no_grad = tch::no_grad_guard();
+    let device = model.device();
+    let mut cache = model.new_cache(CALIBRATION_CONTEXT + max_rows);
+    let forward = |cache: &mut KvCache, rows: usize| -> Result<(), ModelError> {
+        let (start, n) = (cache.len() as i64, rows as i64);
+        let ids = Tensor::zeros([n], (Kind::Int64, device));
+        let positions = Tensor::arange_start(start, start + n, (Kind::Int64, device))
+            .view([1, n])
+            .expand([3, n], false)
+            .contiguous();
+        let step = StepInput {
+            token_ids: &ids,
+            positions: &positions,
+            mask: None,
+            vision: None,
+            taps: &[],
+            logits: LogitRows::All,
+        };
+        let logits = model.forward(&step, cache)?.logits.expect("logits were requested");
+        let _ = logits.argmax(-1, false).int64_value(&[0]);
+        Ok(())
+    };
+    forward(&mut cache, CALIBRATION_CONTEXT)?;
+    let mut costs = VerifyCost::default();
+    let mut rows = 1;
+    while rows <= max_rows {
+        let mut best = f64::INFINITY;
+        // The first pass of a new shape also pays for libtorch's kernel selection: not timed.
+        for attempt in 0..4 {
+            let timer = Instant::now();
+            forward(&mut cache, rows)?;
+            if attempt > 0 {
+                best = best.min(timer.elapsed().as_secs_f64());
+            }
+            cache.truncate(CALIBRATION_CONTEXT);
+        }
+        costs.observe(rows, best);
+        rows *= 2;
+    }
+    Ok(costs)
 }
 
 /// When to try a drafter again after it failed: after 1, 2, 4 … 32 greedy rounds, so a drafter
@@ -349,7 +443,8 @@ impl Retry {
     }
 }
 
-/// Sends the context the session lacks plus the root; `None` when the drafter failed.
+/// Sends the context the session lacks plus the root; the tree and the whole drafter-side time
+/// (compute and hop), or `None` when the drafter failed.
 fn request_tree(
     session: &mut dyn DraftSession,
     history: &History,
@@ -357,7 +452,7 @@ fn request_tree(
     start: usize,
     spec: SpecParams,
     stats: &mut SpecStats,
-) -> Option<Tree> {
+) -> Option<(Tree, Duration)> {
     let from = session.context_len();
     let states = history.states_from(from);
     let round = DraftRound {
@@ -378,7 +473,7 @@ fn request_tree(
             metrics::histogram!(crate::metrics::DRAFTER_ROUND_LATENCY).record(total.as_secs_f64());
             stats.draft_time += draft_time;
             stats.hop_time += total.saturating_sub(draft_time);
-            Some(tree)
+            Some((tree, total))
         }
         Err(e) => {
             tracing::warn!(error = %e, "drafting failed; decoding this round without a drafter");
@@ -404,10 +499,23 @@ fn tree_mask(prefix: usize, tree: &Tree, kind: Kind, device: tch::Device) -> Ten
 struct Verified {
     /// [root, accepted…, bonus]
     committed: Vec<i64>,
+    /// Node indices of the accepted path.
+    path: Vec<usize>,
     /// Tap states of [root, accepted…].
     states: Option<Tensor>,
     /// Entropy (nats) of the target at the root, when asked for.
     root_entropy: Option<f32>,
+    /// Entropy at the bonus token (the next round's root), when asked for.
+    next_entropy: Option<f32>,
+}
+
+/// Which of the target's entropies a verify pass reads back (one softmax each).
+#[derive(Clone, Copy, Debug)]
+struct Entropies {
+    /// At the round's root (the round log of the entropy law).
+    root: bool,
+    /// At the bonus token, the next round's root (the auto policy's prediction).
+    next: bool,
 }
 
 /// One target pass over root + tree, the acceptance walk and the KV compaction.
@@ -418,7 +526,7 @@ fn verify_round(
     root: i64,
     tree: &Tree,
     taps: &[usize],
-    with_entropy: bool,
+    entropies: Entropies,
 ) -> Result<Verified, ModelError> {
     let start = cache.len();
     let device = model.device();
@@ -442,17 +550,19 @@ fn verify_round(
     };
     let out = model.forward(&step, cache)?;
     let logits = out.logits.expect("logits were requested").to_kind(Kind::Float);
-    let root_entropy = with_entropy.then(|| entropy_nats(&logits.get(0)));
+    let root_entropy = entropies.root.then(|| entropy_nats(&logits.get(0)));
     let choices = Vec::<i64>::try_from(logits.argmax(-1, false)).expect("argmax is a 1-D int64 tensor");
     let choices: Vec<TokenId> = choices.iter().map(|&c| c as TokenId).collect();
     let (path, bonus) = tree.accepted_path(&choices);
+    let bonus_row = path.last().map_or(0, |&i| i + 1) as i64;
+    let next_entropy = entropies.next.then(|| entropy_nats(&logits.get(bonus_row)));
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
     let states = gather_states(&out.taps, &keep, device);
     let mut committed = vec![root];
     committed.extend(path.iter().map(|&i| i64::from(tree.tokens[i])));
     committed.push(i64::from(bonus));
-    Ok(Verified { committed, states, root_entropy })
+    Ok(Verified { committed, path, states, root_entropy, next_entropy })
 }
 
 /// Shannon entropy in nats of softmax(logits), in f32.
@@ -461,6 +571,10 @@ fn entropy_nats(logits: &Tensor) -> f32 {
     (-(log_p.exp() * &log_p).sum(Kind::Float)).double_value(&[]) as f32
 }
 
+/// What one greedy step committed ([root, next]), the root's tap states, and (when asked) the
+/// target's entropy at `next`.
+type Step = (Vec<i64>, Option<Tensor>, Option<f32>);
+
 /// One plain greedy step (no drafter): forward the root, keep its tap states.
 fn greedy_step(
     model: &TargetModel,
@@ -468,7 +582,8 @@ fn greedy_step(
     rope_delta: i64,
     root: i64,
     taps: &[usize],
-) -> Result<(Vec<i64>, Option<Tensor>), ModelError> {
+    with_entropy: bool,
+) -> Result<Step, ModelError> {
     let device = model.device();
     let position = cache.len() as i64 + rope_delta;
     let ids = Tensor::from_slice(&[root]).to_device(device);
@@ -482,8 +597,10 @@ fn greedy_step(
         logits: LogitRows::Last,
     };
     let out = model.forward(&step, cache)?;
-    let next = glance_models::decode::argmax_last(out.logits.as_ref().expect("logits were requested"));
-    Ok((vec![root, next], gather_states(&out.taps, &[0], device)))
+    let logits = out.logits.as_ref().expect("logits were requested");
+    let next = glance_models::decode::argmax_last(logits);
+    let entropy = with_entropy.then(|| entropy_nats(&logits.get(-1).to_kind(Kind::Float)));
+    Ok((vec![root, next], gather_states(&out.taps, &[0], device), entropy))
 }
 
 /// Rows `keep` of the tapped states, concatenated over taps: (keep, taps·hidden).
@@ -491,9 +608,14 @@ fn gather_states(taps: &[Tensor], keep: &[usize], device: tch::Device) -> Option
     if taps.is_empty() {
         return None;
     }
-    let index: Vec<i64> = keep.iter().map(|&k| k as i64).collect();
-    let index = Tensor::from_slice(&index).to_device(device);
-    let rows: Vec<Tensor> = taps.iter().map(|t| t.index_select(0, &index)).collect();
+    // A greedy step keeps row 0 only: a view, no index tensor.
+    let rows: Vec<Tensor> = if keep == [0] {
+        taps.iter().map(|t| t.narrow(0, 0, 1)).collect()
+    } else {
+        let index: Vec<i64> = keep.iter().map(|&k| k as i64).collect();
+        let index = Tensor::from_slice(&index).to_device(device);
+        taps.iter().map(|t| t.index_select(0, &index)).collect()
+    };
     Some(Tensor::cat(&rows, -1))
 }
 

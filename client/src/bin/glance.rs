@@ -35,6 +35,8 @@ enum Command {
 enum Mode {
     /// The server's default.
     Default,
+    /// The cost-aware round policy.
+    Auto,
     Autoregressive,
     Tree,
     Chain,
@@ -45,6 +47,7 @@ impl Mode {
     fn proto(self) -> pb::DecodingMode {
         match self {
             Self::Default => pb::DecodingMode::Unspecified,
+            Self::Auto => pb::DecodingMode::Auto,
             Self::Autoregressive => pb::DecodingMode::Autoregressive,
             Self::Tree => pb::DecodingMode::SpeculativeTree,
             Self::Chain => pb::DecodingMode::SpeculativeChain,
@@ -134,10 +137,10 @@ async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> 
     Ok(())
 }
 
-/// Autoregressive first, then the requested mode (tree by default): the speed-up is the ratio of
+/// Autoregressive first, then the requested mode (auto by default): the speed-up is the ratio of
 /// decode milliseconds per token, both measured by the server on this request.
 async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
-    let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Tree } else { args.mode };
+    let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Auto } else { args.mode };
     let started = Instant::now();
     let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();
     let spec = client.generate(build_request(args, mode)?).await?.into_inner();
@@ -195,6 +198,12 @@ fn print_summary(response: &pb::GenerateResponse, started: Instant) {
             s.verify_ms,
             s.fallback_rounds
         );
+        if let Some(auto) = &s.auto {
+            println!(
+                "-- auto: {} greedy steps, {} trees declined, {:.1} nodes verified per round, calibration error {:.2} tokens/round",
+                auto.greedy_steps, auto.declined_trees, auto.mean_verified_nodes, auto.calibration_error
+            );
+        }
     }
 }
 

@@ -79,7 +79,10 @@ impl Cell {
 }
 
 fn modes(budgets: &[u32]) -> Vec<(String, pb::DecodingMode, u32)> {
-    let mut modes = vec![("autoregressive".to_string(), pb::DecodingMode::Autoregressive, 0)];
+    let mut modes = vec![
+        ("autoregressive".to_string(), pb::DecodingMode::Autoregressive, 0),
+        ("auto".to_string(), pb::DecodingMode::Auto, 0),
+    ];
     modes.extend(budgets.iter().map(|&b| (format!("tree-{b}"), pb::DecodingMode::SpeculativeTree, b)));
     modes.push(("chain".into(), pb::DecodingMode::SpeculativeChain, 0));
     modes.push(("prompt-lookup".into(), pb::DecodingMode::PromptLookup, 0));

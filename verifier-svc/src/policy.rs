@@ -1,0 +1,538 @@
+//! The auto round policy (`DECODING_MODE_AUTO`; the arithmetic is `shared/research/round-policy.md`):
+//! before each round, whether to ask the drafter at all; once it has answered, how many of the
+//! tree's best-first nodes to verify. Both choices maximise expected committed tokens per second,
+//! from costs the server measures on itself and acceptance probabilities calibrated online, so the
+//! same binary verifies small trees where a wide pass is dear (one CPU core, a tiny in-cache
+//! target) and wide ones where it is nearly free (a memory-bound target, a GPU).
+//!
+//! The policy only changes what is verified, never what is committed: every token still comes
+//! from the target's own argmax, so auto is as lossless as every other mode.
+
+use std::collections::VecDeque;
+
+use glance_spec::law::{self, Form, Round};
+use glance_spec::tree::Tree;
+
+/// An exponentially weighted mean (the first observation sets it).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ewma {
+    value: Option<f64>,
+}
+
+impl Ewma {
+    /// Weight of a new observation.
+    const ALPHA: f64 = 0.2;
+
+    pub fn observe(&mut self, x: f64) {
+        self.value = Some(match self.value {
+            None => x,
+            Some(v) => v + Self::ALPHA * (x - v),
+        });
+    }
+
+    pub fn get(&self) -> Option<f64> {
+        self.value
+    }
+}
+
+/// Seconds one target pass over `rows` new rows takes, by power-of-two bucket of rows (1, 2, 4, …).
+/// Estimates come from the measured buckets made non-decreasing in rows (pool-adjacent-violators:
+/// a noisy bucket never makes a larger pass look cheaper than a smaller one), interpolated between
+/// them, extrapolated upwards in proportion to the rows (an upper bound for a cost a + b·rows) and
+/// held flat downwards, so an unmeasured size never looks cheaper than it is.
+#[derive(Clone, Debug, Default)]
+pub struct VerifyCost {
+    buckets: Vec<Ewma>,
+}
+
+impl VerifyCost {
+    fn bucket(rows: usize) -> usize {
+        rows.max(1).next_power_of_two().trailing_zeros() as usize
+    }
+
+    pub fn observe(&mut self, rows: usize, secs: f64) {
+        let b = Self::bucket(rows);
+        if self.buckets.len() <= b {
+            self.buckets.resize(b + 1, Ewma::default());
+        }
+        // Normalized to the bucket's own size, so a pass of 5 rows informs the bucket of 8.
+        self.buckets[b].observe(secs * (1usize << b) as f64 / rows.max(1) as f64);
+    }
+
+    /// (rows, seconds) of the measured buckets, made non-decreasing.
+    fn monotone(&self) -> Vec<(f64, f64)> {
+        // Blocks of pooled buckets: (first rows, last rows, mean cost, weight).
+        let mut blocks: Vec<(f64, f64, f64, f64)> = Vec::new();
+        for (b, e) in self.buckets.iter().enumerate() {
+            let Some(cost) = e.get() else { continue };
+            let rows = (1usize << b) as f64;
+            blocks.push((rows, rows, cost, 1.0));
+            while blocks.len() > 1 && blocks[blocks.len() - 2].2 > blocks[blocks.len() - 1].2 {
+                let (last, prev) = (blocks.pop().expect("two blocks"), blocks.pop().expect("two blocks"));
+                let weight = prev.3 + last.3;
+                blocks.push((prev.0, last.1, (prev.2 * prev.3 + last.2 * last.3) / weight, weight));
+            }
+        }
+        let mut points = Vec::new();
+        for (first, last, cost, _) in blocks {
+            points.push((first, cost));
+            if last > first {
+                points.push((last, cost));
+            }
+        }
+        points
+    }
+
+    pub fn estimate(&self, rows: usize) -> Option<f64> {
+        let rows = rows.max(1) as f64;
+        let points = self.monotone();
+        let below = points.iter().rev().find(|(r, _)| *r <= rows);
+        let above = points.iter().find(|(r, _)| *r >= rows);
+        match (below, above) {
+            (Some(&(r0, c0)), Some(&(r1, c1))) if r1 > r0 => Some(c0 + (c1 - c0) * (rows - r0) / (r1 - r0)),
+            (Some(&(_, c)), Some(_)) => Some(c),
+            (Some(&(r0, c0)), None) => Some(c0 * rows / r0),
+            (None, Some(&(_, c1))) => Some(c1),
+            (None, None) => None,
+        }
+    }
+}
+
+/// Per depth, how often the drafter's path probability turns out right: the calibrated
+/// acceptance of a node is `clamp(α_d · q, 0, 1)` with `α_d` = accepted nodes / Σ q at depth d,
+/// both decayed so that the estimate follows the request.
+#[derive(Clone, Debug, Default)]
+pub struct Calibration {
+    /// (Σ q, accepted) per depth − 1.
+    depths: Vec<(f64, f64)>,
+}
+
+impl Calibration {
+    const DECAY: f64 = 0.97;
+    /// Pseudo-observations that start α at 1 (trust the drafter until shown otherwise).
+    const PRIOR: f64 = 0.5;
+
+    pub fn factor(&self, depth: usize) -> f64 {
+        let (claimed, accepted) = self.depths.get(depth.saturating_sub(1)).copied().unwrap_or_default();
+        (accepted + Self::PRIOR) / (claimed + Self::PRIOR)
+    }
+
+    /// Calibrated acceptance probability of each node (a path never more likely than its parent).
+    pub fn acceptance(&self, tree: &Tree) -> Vec<f64> {
+        let mut out: Vec<f64> = Vec::with_capacity(tree.len());
+        for i in 0..tree.len() {
+            let q = tree.log_probs[i].exp();
+            let a = (self.factor(tree.depths[i] as usize) * q).clamp(0.0, 1.0);
+            let parent = usize::try_from(tree.parents[i]).ok().map_or(1.0, |p| out[p]);
+            out.push(a.min(parent));
+        }
+        out
+    }
+
+    /// Records the verified nodes `0..verified` and which of them were accepted.
+    pub fn observe(&mut self, tree: &Tree, verified: usize, accepted: &[usize]) {
+        for entry in &mut self.depths {
+            entry.0 *= Self::DECAY;
+            entry.1 *= Self::DECAY;
+        }
+        for i in 0..verified.min(tree.len()) {
+            let d = tree.depths[i] as usize - 1;
+            if self.depths.len() <= d {
+                self.depths.resize(d + 1, (0.0, 0.0));
+            }
+            self.depths[d].0 += tree.log_probs[i].exp();
+            if accepted.contains(&i) {
+                self.depths[d].1 += 1.0;
+            }
+        }
+    }
+}
+
+/// The entropy law fitted online on this request's rounds: per-token match probability
+/// p = σ(b0 − b1·H) at root entropy H, so a round is expected to commit 1 + Σ_{ℓ≤L} p^ℓ tokens.
+#[derive(Clone, Debug, Default)]
+pub struct OnlineLaw {
+    rounds: VecDeque<Round>,
+    fit: Option<(f64, f64)>,
+    since_fit: usize,
+}
+
+impl OnlineLaw {
+    const WINDOW: usize = 256;
+    const REFIT_EVERY: usize = 8;
+    const MIN_ROUNDS: usize = 8;
+
+    pub fn observe(&mut self, entropy: f64, accepted: usize, horizon: usize) {
+        if self.rounds.len() == Self::WINDOW {
+            self.rounds.pop_front();
+        }
+        self.rounds.push_back(Round { entropy, accepted: accepted as f64 });
+        self.since_fit += 1;
+        if self.rounds.len() >= Self::MIN_ROUNDS && self.since_fit >= Self::REFIT_EVERY {
+            let rounds: Vec<Round> = self.rounds.iter().copied().collect();
+            self.fit = law::fit(Form::FiniteHorizon, &rounds, horizon).map(|f| (f.b0, f.b1));
+            self.since_fit = 0;
+        }
+    }
+
+    pub fn is_fitted(&self) -> bool {
+        self.fit.is_some()
+    }
+
+    /// Expected committed tokens (bonus included) at root entropy `entropy`, once fitted.
+    pub fn expected_commit(&self, entropy: f64, horizon: usize) -> Option<f64> {
+        let (b0, b1) = self.fit?;
+        Some(1.0 + law::expected_accepted(Form::FiniteHorizon, b0, b1, entropy, horizon))
+    }
+}
+
+/// What the policy decided, counted for the stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PolicyStats {
+    /// Rounds where the drafter was not asked (the prediction said a greedy step pays more).
+    pub greedy_steps: usize,
+    /// Drafted rounds whose tree was not verified at all (n* = 0).
+    pub declined_trees: usize,
+    /// Drafted rounds verified with n* ≥ 1 nodes, and their nodes.
+    pub verified_rounds: usize,
+    pub verified_nodes: usize,
+    /// Σ |predicted − observed| committed tokens over verified rounds.
+    pub abs_error: f64,
+}
+
+impl PolicyStats {
+    pub fn mean_nodes(&self) -> f64 {
+        if self.verified_rounds == 0 {
+            0.0
+        } else {
+            self.verified_nodes as f64 / self.verified_rounds as f64
+        }
+    }
+
+    /// Mean absolute error of the predicted committed tokens per verified round.
+    pub fn calibration_error(&self) -> f64 {
+        if self.verified_rounds == 0 {
+            0.0
+        } else {
+            self.abs_error / self.verified_rounds as f64
+        }
+    }
+}
+
+/// What the last verified round expected, to be compared with what it committed.
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    expected: f64,
+}
+
+/// The auto policy of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct RoundPolicy {
+    /// Greedy step (one row) and verify pass costs, seconds.
+    pub verify: VerifyCost,
+    /// Drafter compute and hop per drafted round, seconds.
+    pub draft: Ewma,
+    pub calibration: Calibration,
+    pub law: OnlineLaw,
+    /// Committed tokens per drafted, verified round, when the law has no fit yet.
+    recent_commit: Ewma,
+    /// Nodes verified per round, for the pre-draft estimate.
+    recent_nodes: Ewma,
+    /// Greedy steps left before the next probe, and the current back-off exponent.
+    wait: u32,
+    streak: u32,
+    /// The next drafted round verifies its whole tree (a probe: acceptance is learnt only from
+    /// verified nodes, so declining every tree would never find out that trees pay).
+    explore: bool,
+    /// Whole-tree rounds verified so far (up to WARM_UP_ROUNDS).
+    warm_up_rounds: usize,
+    pending: Option<Pending>,
+    pub stats: PolicyStats,
+}
+
+impl RoundPolicy {
+    /// Longest wait between probes, in greedy steps: a probe that does not pay costs a draft and a
+    /// verify pass, a few percent of this many steps.
+    const MAX_WAIT: u32 = 64;
+
+    /// Rounds that verify their whole tree before the policy trusts its calibration (the first
+    /// ones the server ever drafts: the state carries over from request to request).
+    const WARM_UP_ROUNDS: usize = 2;
+
+    /// A fresh policy with a verify cost curve (the start-up sweep).
+    pub fn with_costs(verify: VerifyCost) -> Self {
+        Self { verify, ..Self::default() }
+    }
+
+    /// This policy as the next request's starting point: what was learnt (costs, calibration, the
+    /// entropy law, recent acceptance, how long probes have kept failing) kept, the request's stats
+    /// zeroed. A request opens with a probe: it may be one where drafting pays (a chart after a
+    /// page of random words); if the probe does not pay, the carried back-off is long at once.
+    pub fn for_new_request(&self) -> Self {
+        Self { wait: 0, explore: true, pending: None, stats: PolicyStats::default(), ..self.clone() }
+    }
+
+    /// Whether a greedy step should read back the target's entropy at its token: only once the law
+    /// can use it (a verify round always reads it, to feed the law).
+    pub fn wants_step_entropy(&self) -> bool {
+        self.law.is_fitted()
+    }
+
+    /// Before a round: ask the drafter, or take a greedy step? `root_entropy` is the target's at
+    /// the pending root (nats), when known; `horizon` the deepest a tree may go.
+    pub fn should_draft(&mut self, root_entropy: Option<f64>, horizon: usize) -> bool {
+        if self.wait > 0 {
+            self.wait -= 1;
+            self.stats.greedy_steps += 1;
+            // The round after a wait is a probe.
+            self.explore = self.wait == 0;
+            return false;
+        }
+        if self.explore {
+            return true;
+        }
+        let (Some(step), Some(draft)) = (self.verify.estimate(1), self.draft.get()) else {
+            return true; // nothing measured yet: probe
+        };
+        let expected = root_entropy
+            .and_then(|h| self.law.expected_commit(h, horizon))
+            .or(self.recent_commit.get())
+            .unwrap_or(f64::INFINITY);
+        let nodes = self.recent_nodes.get().unwrap_or(1.0).round().max(1.0) as usize;
+        let Some(verify) = self.verify.estimate(nodes + 1) else { return true };
+        if expected / (draft + verify) >= 1.0 / step {
+            return true;
+        }
+        self.back_off();
+        self.stats.greedy_steps += 1;
+        false
+    }
+
+    /// After the drafter answered: how many of the tree's first nodes to verify (0: none, the round
+    /// is a greedy step). The draft is paid already, so the choice weighs the verify pass alone:
+    /// argmax over n of E(n) / t_verify(1 + n), where n = 0 is the greedy step.
+    pub fn choose_nodes(&mut self, tree: &Tree) -> usize {
+        // Probes after a back-off choose like any round: depths never verified keep the optimistic
+        // prior, so they are tried as soon as they could pay.
+        self.explore = false;
+        if self.warm_up_rounds < Self::WARM_UP_ROUNDS {
+            self.warm_up_rounds += 1;
+            let expected = 1.0 + self.calibration.acceptance(tree).iter().sum::<f64>();
+            self.pending = Some(Pending { expected });
+            return tree.len();
+        }
+        let acceptance = self.calibration.acceptance(tree);
+        let (mut best, mut best_rate, mut best_expected) = (0usize, f64::NEG_INFINITY, 1.0);
+        let mut expected = 1.0;
+        for n in 0..=tree.len() {
+            if n > 0 {
+                expected += acceptance[n - 1];
+            }
+            let Some(cost) = self.verify.estimate(n + 1) else {
+                // Unmeasured costs: verify the whole tree (and learn its cost).
+                (best, best_expected) = (tree.len(), expected + acceptance[n..].iter().sum::<f64>());
+                break;
+            };
+            let rate = expected / cost;
+            if rate > best_rate {
+                (best, best_rate, best_expected) = (n, rate, expected);
+            }
+        }
+        tracing::debug!(
+            nodes = best,
+            of = tree.len(),
+            expected = best_expected,
+            step_ms = self.verify.estimate(1).unwrap_or(0.0) * 1e3,
+            verify_ms = self.verify.estimate(best + 1).unwrap_or(0.0) * 1e3,
+            first_q = ?tree.log_probs.iter().take(4).map(|lp| lp.exp()).collect::<Vec<_>>(),
+            "auto: nodes to verify"
+        );
+        if best == 0 {
+            self.stats.declined_trees += 1;
+            self.back_off();
+            self.pending = None;
+        } else {
+            self.pending = Some(Pending { expected: best_expected });
+        }
+        best
+    }
+
+    /// A drafted round's drafter-side time (compute + hop), seconds.
+    pub fn observe_draft(&mut self, secs: f64) {
+        self.draft.observe(secs);
+    }
+
+    /// A verify pass (or greedy step) over `rows` rows took `secs`.
+    pub fn observe_verify(&mut self, rows: usize, secs: f64) {
+        self.verify.observe(rows, secs);
+    }
+
+    /// A verified round: the tree, how many of its nodes were verified, the accepted path, and the
+    /// target's entropy at the round's root.
+    pub fn observe_round(
+        &mut self,
+        tree: &Tree,
+        verified: usize,
+        path: &[usize],
+        root_entropy: Option<f64>,
+        horizon: usize,
+    ) {
+        self.calibration.observe(tree, verified, path);
+        let committed = (path.len() + 1) as f64;
+        if let Some(pending) = self.pending.take() {
+            self.stats.abs_error += (pending.expected - committed).abs();
+        }
+        self.stats.verified_rounds += 1;
+        self.stats.verified_nodes += verified;
+        self.recent_commit.observe(committed);
+        self.recent_nodes.observe(verified as f64);
+        if let Some(h) = root_entropy {
+            self.law.observe(h, path.len(), horizon);
+        }
+        let paid = match (self.verify.estimate(1), self.draft.get(), self.verify.estimate(verified + 1)) {
+            (Some(step), Some(draft), Some(verify)) => committed / (draft + verify) >= 1.0 / step,
+            _ => true,
+        };
+        if paid {
+            self.streak = 0;
+        } else {
+            self.back_off();
+        }
+    }
+
+    /// Waits 1, 2, 4 … MAX_WAIT greedy steps before the next probe, doubling on each failure.
+    fn back_off(&mut self) {
+        self.wait = (1u32 << self.streak).min(Self::MAX_WAIT);
+        self.streak = (self.streak + 1).min(Self::MAX_WAIT.trailing_zeros());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chain of `len` nodes whose path log-probabilities claim `q` per step.
+    fn chain(len: usize, q: f64) -> Tree {
+        let mut tree = Tree::default();
+        for d in 0..len {
+            tree.push(d as u32, d as i32 - 1, (d + 1) as f64 * q.ln());
+        }
+        tree
+    }
+
+    /// A verify cost curve: `base` seconds for one row plus `per_row` for each further row.
+    fn costs(base: f64, per_row: f64) -> VerifyCost {
+        let mut verify = VerifyCost::default();
+        for rows in [1, 2, 4, 8, 16, 32, 64] {
+            verify.observe(rows, base + per_row * (rows - 1) as f64);
+        }
+        verify
+    }
+
+    /// Runs `rounds` rounds against a drafter that claims `claimed` per token while the target
+    /// accepts each next token with probability `truth` (deterministically: the first
+    /// ⌊truth·len⌋-ish tokens, rotating). Returns the policy.
+    fn simulate(policy: &mut RoundPolicy, rounds: usize, len: usize, claimed: f64, accepted: usize) {
+        for _ in 0..rounds {
+            if !policy.should_draft(None, len) {
+                continue;
+            }
+            policy.observe_draft(0.001);
+            let tree = chain(len, claimed);
+            let n = policy.choose_nodes(&tree);
+            if n == 0 {
+                continue;
+            }
+            let path: Vec<usize> = (0..accepted.min(n)).collect();
+            policy.observe_round(&tree, n, &path, None, len);
+        }
+    }
+
+    #[test]
+    fn verify_costs_interpolate_and_never_extrapolate_downwards() {
+        let mut verify = VerifyCost::default();
+        verify.observe(1, 1.0);
+        verify.observe(8, 2.0);
+        assert_eq!(verify.estimate(1), Some(1.0));
+        assert!((verify.estimate(4).unwrap() - (1.0 + 3.0 / 7.0)).abs() < 1e-9);
+        assert_eq!(verify.estimate(16), Some(4.0));
+        let mut sparse = VerifyCost::default();
+        sparse.observe(16, 3.0);
+        assert_eq!(sparse.estimate(2), Some(3.0));
+        assert_eq!(VerifyCost::default().estimate(4), None);
+        // A noisy middle bucket is pooled with its neighbour: the curve never goes down.
+        let mut noisy = VerifyCost::default();
+        for (rows, cost) in [(1, 1.0), (2, 5.0), (4, 3.0), (8, 6.0)] {
+            noisy.observe(rows, cost);
+        }
+        let curve: Vec<f64> = [1, 2, 3, 4, 6, 8].iter().map(|&r| noisy.estimate(r).unwrap()).collect();
+        assert!(curve.windows(2).all(|w| w[0] <= w[1]), "{curve:?}");
+        assert_eq!(noisy.estimate(2), Some(4.0));
+    }
+
+    #[test]
+    fn a_drafter_never_accepted_leads_to_greedy_steps() {
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        simulate(&mut policy, 400, 15, 0.9, 0);
+        // Probes back off to one every 64 steps: nearly all rounds are greedy steps.
+        let probes = policy.stats.verified_rounds + policy.stats.declined_trees;
+        assert!(policy.stats.greedy_steps > 300, "{:?}", policy.stats);
+        assert!(probes < 40, "{:?}", policy.stats);
+    }
+
+    #[test]
+    fn a_steep_verify_cost_turns_drafting_off() {
+        // Each row costs as much as a whole step and half of each tree is accepted: no tree pays.
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.001));
+        simulate(&mut policy, 200, 15, 0.99, 7);
+        assert!(policy.stats.greedy_steps + policy.stats.declined_trees > 150, "{:?}", policy.stats);
+    }
+
+    #[test]
+    fn nearly_free_verification_and_high_acceptance_take_the_whole_tree() {
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_001));
+        simulate(&mut policy, 50, 15, 0.95, 15);
+        assert_eq!(policy.stats.greedy_steps, 0, "{:?}", policy.stats);
+        assert!(policy.stats.mean_nodes() > 14.0, "{:?}", policy.stats);
+    }
+
+    #[test]
+    fn calibration_converges_to_a_known_overclaim() {
+        // The drafter claims 0.9 at depth 1; the target accepts depth 1 half the time.
+        let mut calibration = Calibration::default();
+        let tree = chain(1, 0.9);
+        for round in 0..400 {
+            let path: &[usize] = if round % 2 == 0 { &[0] } else { &[] };
+            calibration.observe(&tree, 1, path);
+        }
+        let acceptance = calibration.acceptance(&tree)[0];
+        assert!((acceptance - 0.5).abs() < 0.05, "calibrated acceptance {acceptance}");
+        assert!((calibration.factor(1) - 0.5 / 0.9).abs() < 0.06);
+    }
+
+    #[test]
+    fn a_child_is_never_more_likely_than_its_parent() {
+        let mut calibration = Calibration::default();
+        let tree = chain(2, 0.8);
+        // Depth 2 always accepted when verified, depth 1 rarely: α_2 > α_1.
+        for _ in 0..50 {
+            calibration.observe(&tree, 2, &[0, 1]);
+        }
+        for _ in 0..50 {
+            calibration.observe(&chain(1, 0.8), 1, &[]);
+        }
+        let a = calibration.acceptance(&tree);
+        assert!(a[1] <= a[0], "{a:?}");
+    }
+
+    #[test]
+    fn the_law_predicts_more_at_low_entropy_once_fitted() {
+        let mut law = OnlineLaw::default();
+        for i in 0..64 {
+            let low = i % 2 == 0;
+            law.observe(if low { 0.05 } else { 3.0 }, if low { 12 } else { 0 }, 15);
+        }
+        let (sure, unsure) = (law.expected_commit(0.05, 15).unwrap(), law.expected_commit(3.0, 15).unwrap());
+        assert!(sure > 5.0 && unsure < 2.0, "{sure} vs {unsure}");
+    }
+}
