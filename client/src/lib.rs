@@ -11,6 +11,38 @@ use tonic::transport::Channel;
 
 pub use glance_proto::v1;
 
+/// A decoding mode as the command lines spell it (`glance --mode`, `verifier-svc --default-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// The server's default.
+    Default,
+    /// The cost-aware round policy over GLANCE trees.
+    Auto,
+    /// Plain greedy decoding.
+    Autoregressive,
+    /// GLANCE: block draft, best-first tree.
+    #[value(alias = "speculative-tree")]
+    Tree,
+    /// Block draft, width-1 chain.
+    #[value(alias = "speculative-chain")]
+    Chain,
+    /// Prompt-lookup n-gram drafts.
+    PromptLookup,
+}
+
+impl From<Mode> for pb::DecodingMode {
+    fn from(mode: Mode) -> Self {
+        match mode {
+            Mode::Default => Self::Unspecified,
+            Mode::Auto => Self::Auto,
+            Mode::Autoregressive => Self::Autoregressive,
+            Mode::Tree => Self::SpeculativeTree,
+            Mode::Chain => Self::SpeculativeChain,
+            Mode::PromptLookup => Self::PromptLookup,
+        }
+    }
+}
+
 /// Largest response accepted (the server's own limit on requests).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -120,5 +152,16 @@ mod tests {
         assert!(matches!(&parts[1].part, Some(pb::content_part::Part::Text(t)) if t == "read it"));
         assert_eq!(wire.decoding.unwrap().mode, pb::DecodingMode::SpeculativeTree as i32);
         assert!(Request::default().with_image_files(&["/nonexistent/image.png"]).is_err());
+    }
+
+    #[test]
+    fn both_spellings_of_a_mode_parse() {
+        use clap::ValueEnum;
+        for (name, mode) in
+            [("tree", Mode::Tree), ("speculative-tree", Mode::Tree), ("speculative-chain", Mode::Chain)]
+        {
+            assert_eq!(Mode::from_str(name, false), Ok(mode));
+        }
+        assert_eq!(pb::DecodingMode::from(Mode::Auto), pb::DecodingMode::Auto);
     }
 }

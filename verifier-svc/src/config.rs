@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use glance_client::Mode;
 
 #[derive(Parser, Debug, Clone)]
 #[command(name = "verifier-svc", version, about = "glance verifier: serves a Qwen-VL target over gRPC")]
@@ -56,10 +57,9 @@ pub struct Args {
     /// is decoded as a greedy step.
     #[arg(long, env = "GLANCE_DRAFTER_DEADLINE_MS", default_value_t = 1000)]
     pub drafter_deadline_ms: u64,
-    /// Mode for requests that name none (default: speculative-tree with a drafter, else
-    /// autoregressive).
+    /// Mode for requests that name none (default: auto with a drafter, else autoregressive).
     #[arg(long, env = "GLANCE_DEFAULT_MODE", value_enum)]
-    pub default_mode: Option<ModeArg>,
+    pub default_mode: Option<Mode>,
     /// Default tree budget (nodes verified per round, root excluded).
     #[arg(long, env = "GLANCE_TREE_BUDGET", default_value_t = 31)]
     pub tree_budget: usize,
@@ -72,14 +72,4 @@ pub struct Args {
     /// Block size of the in-process prompt-lookup drafter (it drafts up to this minus one).
     #[arg(long, env = "GLANCE_PROMPT_LOOKUP_BLOCK", default_value_t = 16)]
     pub prompt_lookup_block: usize,
-}
-
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
-pub enum ModeArg {
-    /// The cost-aware round policy over GLANCE trees (the default with a drafter).
-    Auto,
-    Autoregressive,
-    SpeculativeTree,
-    SpeculativeChain,
-    PromptLookup,
 }

@@ -16,7 +16,7 @@ use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::config::{Args, ModeArg};
+use crate::config::Args;
 use crate::drafter_client::{DrafterError, RemoteDrafter, TargetDescription};
 use crate::engine::{self, Drafting, EngineLimits};
 use crate::policy::VerifyCost;
@@ -150,14 +150,10 @@ fn connect_drafter(args: &Args, model: &TargetModel) -> Result<Option<Arc<Remote
 }
 
 fn decoding_defaults(args: &Args, drafter_configured: bool) -> DecodingDefaults {
-    let mode = match args.default_mode {
-        Some(ModeArg::Autoregressive) => pb::DecodingMode::Autoregressive,
-        Some(ModeArg::SpeculativeTree) => pb::DecodingMode::SpeculativeTree,
-        Some(ModeArg::SpeculativeChain) => pb::DecodingMode::SpeculativeChain,
-        Some(ModeArg::PromptLookup) => pb::DecodingMode::PromptLookup,
-        Some(ModeArg::Auto) => pb::DecodingMode::Auto,
-        None if drafter_configured => pb::DecodingMode::Auto,
-        None => pb::DecodingMode::Autoregressive,
+    let mode = match args.default_mode.map(pb::DecodingMode::from) {
+        Some(pb::DecodingMode::Unspecified) | None if drafter_configured => pb::DecodingMode::Auto,
+        Some(pb::DecodingMode::Unspecified) | None => pb::DecodingMode::Autoregressive,
+        Some(mode) => mode,
     };
     DecodingDefaults {
         mode,

@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use glance_client::v1 as pb;
 use glance_client::v1::generation_client::GenerationClient;
-use glance_client::{decode_ms_per_token, Request};
+use glance_client::{decode_ms_per_token, Mode, Request};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -29,31 +29,6 @@ enum Command {
     Compare(GenerateArgs),
     /// Prints the served model and its limits.
     Info,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Mode {
-    /// The server's default.
-    Default,
-    /// The cost-aware round policy.
-    Auto,
-    Autoregressive,
-    Tree,
-    Chain,
-    PromptLookup,
-}
-
-impl Mode {
-    fn proto(self) -> pb::DecodingMode {
-        match self {
-            Self::Default => pb::DecodingMode::Unspecified,
-            Self::Auto => pb::DecodingMode::Auto,
-            Self::Autoregressive => pb::DecodingMode::Autoregressive,
-            Self::Tree => pb::DecodingMode::SpeculativeTree,
-            Self::Chain => pb::DecodingMode::SpeculativeChain,
-            Self::PromptLookup => pb::DecodingMode::PromptLookup,
-        }
-    }
 }
 
 #[derive(clap::Args)]
@@ -151,7 +126,7 @@ async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) ->
     let tau = spec.speculative.map(|s| s.mean_accepted_length).unwrap_or(1.0);
     println!(
         "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to greedy: {identical}",
-        mode.proto().as_str_name(),
+        pb::DecodingMode::from(mode).as_str_name(),
         ar_ms / spec_ms
     );
     if !identical {
@@ -167,7 +142,7 @@ fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest,
         images: Vec::new(),
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.clone(),
-        mode: mode.proto(),
+        mode: mode.into(),
         tree_budget: args.tree_budget,
     };
     Ok(request.with_image_files(&args.images)?.to_proto())
