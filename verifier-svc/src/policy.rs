@@ -344,7 +344,6 @@ impl RoundPolicy {
             expected = best_expected,
             step_ms = self.verify.estimate(1).unwrap_or(0.0) * 1e3,
             verify_ms = self.verify.estimate(best + 1).unwrap_or(0.0) * 1e3,
-            first_q = ?tree.log_probs.iter().take(4).map(|lp| lp.exp()).collect::<Vec<_>>(),
             "auto: nodes to verify"
         );
         if best == 0 {
@@ -429,9 +428,8 @@ mod tests {
         verify
     }
 
-    /// Runs `rounds` rounds against a drafter that claims `claimed` per token while the target
-    /// accepts each next token with probability `truth` (deterministically: the first
-    /// ⌊truth·len⌋-ish tokens, rotating). Returns the policy.
+    /// Runs `rounds` rounds against a drafter whose chain of `len` nodes claims `claimed` per
+    /// token while the target accepts the first `accepted` nodes of every verified prefix.
     fn simulate(policy: &mut RoundPolicy, rounds: usize, len: usize, claimed: f64, accepted: usize) {
         for _ in 0..rounds {
             if !policy.should_draft(None, len) {

@@ -3,7 +3,8 @@
 //! ancestor-only mask, walk the target's own argmax through matching children, commit that path
 //! plus the bonus token, and compact the KV cache to it. The committed tokens are exactly the
 //! greedy ones. When no drafter answers, a round is a plain greedy step, and drafting resumes
-//! (with the whole missed context re-sent) as soon as a drafter is back.
+//! (with the whole missed context re-sent) as soon as a drafter is back. In auto mode the round
+//! policy (`crate::policy`) decides per round whether to draft and how much of the tree to verify.
 
 use std::time::{Duration, Instant};
 
@@ -13,9 +14,9 @@ use glance_models::decode::{
 use glance_models::kv_cache::KvCache;
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
+use tch::{Kind, Tensor};
 
 use crate::policy::{PolicyStats, RoundPolicy, VerifyCost};
-use tch::{Kind, Tensor};
 
 /// A drafter's answer to one round: the tree as sent (not yet trusted) and the drafter-side time.
 #[derive(Clone, Debug, Default)]
