@@ -37,21 +37,25 @@ async fn spec_decode_counters_add_up() {
     let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url, "--metrics-listen", &listen]);
     let mut client = GenerationClient::connect(verifier.url.clone()).await.unwrap();
     let mut generated = 0;
-    for prompt in &prompts {
-        let response =
-            client.generate(suite::request(prompt, pb::DecodingMode::SpeculativeTree, 0)).await.unwrap();
-        generated += response.into_inner().usage.unwrap().generated_tokens as usize;
+    for mode in [pb::DecodingMode::SpeculativeTree, pb::DecodingMode::Auto] {
+        for prompt in &prompts {
+            let response = client.generate(suite::request(prompt, mode, 0)).await.unwrap();
+            generated += response.into_inner().usage.unwrap().generated_tokens as usize;
+        }
     }
     let text = scrape(port);
-    let requests = prompts.len() as f64;
+    let requests = 2.0 * prompts.len() as f64;
     assert_eq!(metric(&text, "glance_requests_total{outcome=\"ok\"}"), requests, "{text}");
     assert_eq!(metric(&text, "glance_generated_tokens_total"), generated as f64);
     let accepted = metric(&text, "glance_spec_decode_num_accepted_tokens");
     let drafts = metric(&text, "glance_spec_decode_num_drafts");
     let fallback = metric(&text, "glance_spec_decode_fallback_rounds");
+    let auto_steps = metric(&text, "glance_auto_greedy_steps") + metric(&text, "glance_auto_declined_trees");
     // Each request's first token comes from the prefill; every round then commits its accepted
-    // draft tokens plus one token of the target's (with an untrained head no round is cut short).
-    assert_eq!(accepted + drafts + fallback + requests, generated as f64, "{text}");
+    // draft tokens plus one token of the target's (with an untrained head no round is cut short),
+    // and every greedy step one token.
+    assert_eq!(accepted + drafts + fallback + auto_steps + requests, generated as f64, "{text}");
+    assert!(metric(&text, "glance_auto_verified_nodes") > 0.0, "auto verified nothing: {text}");
     assert!(drafts > 0.0);
     assert_eq!(metric(&text, "glance_spec_decode_num_accepted_tokens_per_pos"), accepted);
     assert!(metric(&text, "glance_spec_decode_num_draft_tokens") >= drafts);
@@ -60,7 +64,9 @@ async fn spec_decode_counters_add_up() {
     assert_eq!(metric(&text, "glance_drafter_connected"), 1.0);
     assert_eq!(metric(&text, "glance_requests_running"), 0.0);
     assert_eq!(metric(&text, "glance_queue_size"), 0.0);
-    println!("metrics: {generated} tokens = {accepted} accepted + {drafts} rounds + {fallback} fallback + {requests} prefill");
+    println!(
+        "metrics: {generated} tokens = {accepted} accepted + {drafts} rounds + {fallback} fallback + {auto_steps} auto steps + {requests} prefill"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,6 +26,15 @@ pub const SPEC_TAU: &str = "glance_spec_decode_mean_accepted_length";
 pub const SPEC_FALLBACK_ROUNDS: &str = "glance_spec_decode_fallback_rounds";
 /// Trees refused as malformed.
 pub const SPEC_REJECTED_TREES: &str = "glance_spec_decode_rejected_trees";
+/// Auto mode: rounds taken as greedy steps without asking the drafter.
+pub const AUTO_GREEDY_STEPS: &str = "glance_auto_greedy_steps";
+/// Auto mode: drafted trees of which the policy verified nothing.
+pub const AUTO_DECLINED_TREES: &str = "glance_auto_declined_trees";
+/// Auto mode: tree nodes verified, over the verified rounds (`glance_spec_decode_num_drafts`
+/// counts the rounds), so the mean tree size is their ratio.
+pub const AUTO_VERIFIED_NODES: &str = "glance_auto_verified_nodes";
+/// Auto mode: mean |predicted − committed| tokens per verified round, last auto request.
+pub const AUTO_CALIBRATION_ERROR: &str = "glance_auto_calibration_error";
 /// One drafter round as the verifier sees it: request sent to tree received.
 pub const DRAFTER_ROUND_LATENCY: &str = "glance_drafter_round_latency_seconds";
 /// Serialized bytes sent to the drafter.
@@ -63,6 +72,13 @@ pub fn describe() {
         "Rounds decoded as greedy steps because no drafter answered in time."
     );
     describe_counter!(SPEC_REJECTED_TREES, "Trees refused as malformed.");
+    describe_counter!(AUTO_GREEDY_STEPS, "Auto mode: greedy steps taken without asking the drafter.");
+    describe_counter!(AUTO_DECLINED_TREES, "Auto mode: drafted trees of which nothing was verified.");
+    describe_counter!(AUTO_VERIFIED_NODES, "Auto mode: tree nodes verified.");
+    describe_gauge!(
+        AUTO_CALIBRATION_ERROR,
+        "Auto mode: mean |predicted - committed| tokens per verified round, last auto request."
+    );
     describe_histogram!(
         DRAFTER_ROUND_LATENCY,
         Unit::Seconds,
