@@ -376,6 +376,7 @@ fn checked_tree(
 /// included, so a GPU pass is timed to completion). Online measurements refine it per request.
 pub fn measure_verify_costs(model: &TargetModel, max_rows: usize) -> Result<VerifyCost, ModelError> {
     const CALIBRATION_CONTEXT: usize = 256;
+    const SLOW_PASS_SECS: f64 = 0.5;
     let _no_grad = tch::no_grad_guard();
     let device = model.device();
     let mut cache = model.new_cache(CALIBRATION_CONTEXT + max_rows);
@@ -413,6 +414,11 @@ pub fn measure_verify_costs(model: &TargetModel, max_rows: usize) -> Result<Veri
             cache.truncate(CALIBRATION_CONTEXT);
         }
         costs.observe(rows, best);
+        // A slow target (a large model on a CPU) would spend minutes here: larger passes are
+        // extrapolated until requests measure them.
+        if best > SLOW_PASS_SECS {
+            break;
+        }
         rows *= 2;
     }
     Ok(costs)
