@@ -216,13 +216,7 @@ pub fn speculative_generate(
     let _no_grad = tch::no_grad_guard();
     let started = Instant::now();
     let prompt_len = inputs.input_ids.len();
-    let limit = (prompt_len + params.max_new_tokens).min(params.context_limit);
-    if prompt_len >= limit {
-        return Err(ModelError::Input(format!(
-            "prompt of {prompt_len} tokens leaves no room in a context of {}",
-            params.context_limit
-        )));
-    }
+    let limit = params.capacity(prompt_len)?;
     let taps: Vec<usize> = provider.tap_layers().to_vec();
     let max_depth = provider.max_depth();
     let vocab = model.text_config().vocab_size as usize;

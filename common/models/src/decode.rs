@@ -63,6 +63,21 @@ pub struct GreedyParams<'a> {
     pub context_limit: usize,
 }
 
+impl GreedyParams<'_> {
+    /// Positions a generation from a prompt of `prompt_len` tokens may fill (prompt + new tokens,
+    /// within the context limit); an error when the prompt leaves no room.
+    pub fn capacity(&self, prompt_len: usize) -> Result<usize, ModelError> {
+        let capacity = (prompt_len + self.max_new_tokens).min(self.context_limit);
+        if prompt_len >= capacity {
+            return Err(ModelError::Input(format!(
+                "prompt of {prompt_len} tokens leaves no room in a context of {}",
+                self.context_limit
+            )));
+        }
+        Ok(capacity)
+    }
+}
+
 /// Greedy decoding. `on_token` sees each new token as soon as it is chosen.
 pub fn greedy_generate(
     model: &TargetModel,
@@ -73,13 +88,7 @@ pub fn greedy_generate(
     let _no_grad = tch::no_grad_guard();
     let started = Instant::now();
     let prompt_len = inputs.input_ids.len();
-    let capacity = (prompt_len + params.max_new_tokens).min(params.context_limit);
-    if prompt_len >= capacity {
-        return Err(ModelError::Input(format!(
-            "prompt of {prompt_len} tokens leaves no room in a context of {}",
-            params.context_limit
-        )));
-    }
+    let capacity = params.capacity(prompt_len)?;
     let mut cache = model.new_cache(capacity);
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let logits = prefill(model, inputs, &mut cache)?;
