@@ -36,6 +36,8 @@ async fn run_suite(
         let tokens: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
         assert_eq!(tokens, prompt.greedy, "{what}: prompt {i} differs from greedy decoding");
         let stats = response.speculative.expect("speculative stats");
+        // A refused tree leaves its round to a plain greedy step, in every mode.
+        assert!(stats.fallback_rounds >= stats.rejected_trees, "{what}: prompt {i}: {stats:?}");
         total.rounds += stats.rounds;
         total.fallback_rounds += stats.fallback_rounds;
         total.rejected_trees += stats.rejected_trees;

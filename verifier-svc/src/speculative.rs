@@ -244,16 +244,30 @@ pub fn speculative_generate(
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!("round", position = start).entered();
+        // True when the policy, not a failure, makes this round a greedy step (counted as its
+        // greedy step or declined tree, not as a fallback round).
+        let mut declined = false;
         let ask = session.is_some()
-            && policy.as_deref_mut().is_none_or(|p| p.should_draft(root_entropy, max_depth));
+            && policy.as_deref_mut().is_none_or(|p| {
+                declined = !p.should_draft(root_entropy, max_depth);
+                !declined
+            });
         let mut round = None;
         if let (true, Some(s)) = (ask, session.as_mut()) {
             match request_tree(s.as_mut(), &history, root, start, spec, &mut stats) {
-                Some((tree, drafter_time)) => {
+                Some((mut tree, drafter_time)) => {
                     if let Some(p) = policy.as_deref_mut() {
                         p.observe_draft(drafter_time.as_secs_f64());
                     }
-                    round = checked_tree(tree, limits, policy.as_deref_mut(), &mut stats);
+                    match (valid(&tree, limits, &mut stats), policy.as_deref_mut()) {
+                        (false, _) => {}
+                        (true, None) => round = Some(tree),
+                        (true, Some(p)) => {
+                            tree.truncate(p.choose_nodes(&tree));
+                            declined = tree.is_empty();
+                            round = (!declined).then_some(tree);
+                        }
+                    }
                 }
                 None => {
                     // A failed session is dropped; a fresh one is tried after a few greedy rounds.
@@ -262,7 +276,6 @@ pub fn speculative_generate(
                 }
             }
         }
-        let chose_greedy = round.is_none() && policy.is_some() && session.is_some();
         let verify_started = Instant::now();
         let verify_span = tracing::info_span!("verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
         let entered = verify_span.enter();
@@ -291,7 +304,7 @@ pub fn speculative_generate(
                 (verified.committed, verified.states, verified.next_entropy)
             }
             None => {
-                if !chose_greedy {
+                if !declined {
                     stats.fallback_rounds += 1;
                 }
                 let with_entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
@@ -342,25 +355,14 @@ pub fn speculative_generate(
     Ok((generation, stats))
 }
 
-/// A received tree that passed validation, cut by the policy to the prefix worth verifying;
-/// `None` when it is malformed or the policy verifies none of it (an empty tree included).
-fn checked_tree(
-    mut tree: Tree,
-    limits: TreeLimits,
-    policy: Option<&mut RoundPolicy>,
-    stats: &mut SpecStats,
-) -> Option<Tree> {
-    if let Err(reason) = tree.validate(limits) {
-        tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
-        stats.rejected_trees += 1;
-        return None;
-    }
-    match policy {
-        // Without a policy an empty tree is still a round (a one-row verify pass).
-        None => Some(tree),
-        Some(policy) => {
-            tree.truncate(policy.choose_nodes(&tree));
-            (!tree.is_empty()).then_some(tree)
+/// Whether a received tree may be verified; a malformed one is counted and logged.
+fn valid(tree: &Tree, limits: TreeLimits, stats: &mut SpecStats) -> bool {
+    match tree.validate(limits) {
+        Ok(()) => true,
+        Err(reason) => {
+            tracing::warn!(%reason, "drafter sent a malformed tree; decoding this round without it");
+            stats.rejected_trees += 1;
+            false
         }
     }
 }
@@ -585,23 +587,11 @@ fn greedy_step(
     taps: &[usize],
     with_entropy: bool,
 ) -> Result<Step, ModelError> {
-    let device = model.device();
-    let position = cache.len() as i64 + rope_delta;
-    let ids = Tensor::from_slice(&[root]).to_device(device);
-    let positions = Tensor::from_slice(&[position; 3]).view([3, 1]).to_device(device);
-    let step = StepInput {
-        token_ids: &ids,
-        positions: &positions,
-        mask: None,
-        vision: None,
-        taps,
-        logits: LogitRows::Last,
-    };
-    let out = model.forward(&step, cache)?;
+    let out = glance_models::decode::forward_token(model, cache, root, rope_delta, taps)?;
     let logits = out.logits.as_ref().expect("logits were requested");
     let next = glance_models::decode::argmax_last(logits);
     let entropy = with_entropy.then(|| entropy_nats(&logits.get(-1).to_kind(Kind::Float)));
-    Ok((vec![root, next], gather_states(&out.taps, &[0], device), entropy))
+    Ok((vec![root, next], gather_states(&out.taps, &[0], model.device()), entropy))
 }
 
 /// Rows `keep` of the tapped states, concatenated over taps: (keep, taps·hidden).

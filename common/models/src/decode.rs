@@ -97,7 +97,6 @@ pub fn greedy_generate(
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut tokens = Vec::with_capacity(params.max_new_tokens);
-    let device = model.device();
     let finish = loop {
         tokens.push(next);
         if params.eos_token_ids.contains(&next) {
@@ -112,21 +111,34 @@ pub fn greedy_generate(
         if cache.len() >= capacity {
             break FinishKind::Context;
         }
-        let position = (cache.len() as i64) + inputs.rope_delta;
-        let ids = Tensor::from_slice(&[next]).to_device(device);
-        let positions = Tensor::from_slice(&[position; 3]).view([3, 1]).to_device(device);
-        let step = StepInput {
-            token_ids: &ids,
-            positions: &positions,
-            mask: None,
-            vision: None,
-            taps: &[],
-            logits: LogitRows::Last,
-        };
-        let out = model.forward(&step, &mut cache)?;
+        let out = forward_token(model, &mut cache, next, inputs.rope_delta, &[])?;
         next = argmax_last(out.logits.as_ref().expect("logits were requested"));
     };
     Ok(Generation { tokens, finish, prefill_time, decode_time: decode_started.elapsed() })
+}
+
+/// One decode step: `token` forwarded at the next position (M-RoPE decode positions are the
+/// stream index + `rope_delta` on all three axes), the last row's logits and the `taps` outputs.
+pub fn forward_token(
+    model: &TargetModel,
+    cache: &mut crate::kv_cache::KvCache,
+    token: i64,
+    rope_delta: i64,
+    taps: &[usize],
+) -> Result<crate::StepOutput, ModelError> {
+    let device = model.device();
+    let position = cache.len() as i64 + rope_delta;
+    let ids = Tensor::from_slice(&[token]).to_device(device);
+    let positions = Tensor::from_slice(&[position; 3]).view([3, 1]).to_device(device);
+    let step = StepInput {
+        token_ids: &ids,
+        positions: &positions,
+        mask: None,
+        vision: None,
+        taps,
+        logits: LogitRows::Last,
+    };
+    model.forward(&step, cache)
 }
 
 /// Runs the vision tower and the prompt forward; returns the last row's logits (1, vocab).
