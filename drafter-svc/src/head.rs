@@ -13,7 +13,9 @@ use std::path::Path;
 
 use glance_models::config::TargetConfig;
 use glance_models::kv_cache::{CacheError, KvCache};
-use glance_models::layers::{apply_rotary, inverse_frequencies, Activation, Linear, RmsNorm, SwiGlu};
+use glance_models::layers::{
+    apply_rotary, inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, SwiGlu,
+};
 use glance_models::weights::{read_named_tensors, Checkpoint, WeightsError};
 use glance_models::{ModelError, TextConfig};
 use serde_json::Value;
@@ -232,8 +234,8 @@ struct HeadLayer {
 
 struct HeadAttention {
     q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// k and v in one matmul over [ctx ; block]: (rows, d) → (rows, 2·kv_heads·head_dim).
+    kv_proj: FusedLinear,
     o_proj: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
@@ -419,7 +421,7 @@ impl DraftHead {
 
     /// The target's (scaled) input embedding of `ids`, (n, hidden).
     fn embed_tokens(&self, ids: &[i64]) -> Tensor {
-        let embedded = self.embed.index_select(0, &Tensor::from_slice(ids).to_device(self.device));
+        let embedded = self.embed.index_select(0, &glance_models::upload(ids, self.device));
         match self.config.input_embedding_scale {
             scale if scale != 1.0 => embedded * scale,
             _ => embedded,
@@ -627,8 +629,12 @@ impl HeadAttention {
         };
         Ok(Self {
             q_proj: proj(ckpt, "q_proj", c.hidden_size, q_dim)?,
-            k_proj: proj(ckpt, "k_proj", c.hidden_size, kv_dim)?,
-            v_proj: proj(ckpt, "v_proj", c.hidden_size, kv_dim)?,
+            kv_proj: FusedLinear::load(
+                ckpt,
+                &[(format!("{prefix}.k_proj"), kv_dim), (format!("{prefix}.v_proj"), kv_dim)],
+                c.hidden_size,
+                bias,
+            )?,
             o_proj: proj(ckpt, "o_proj", q_dim, c.hidden_size)?,
             q_norm: norm(ckpt, "q_norm")?,
             k_norm: norm(ckpt, "k_norm")?,
@@ -663,9 +669,9 @@ impl HeadAttention {
         let q = split_heads(self.q_proj.forward(x), block, self.num_heads);
         let q = self.q_norm.forward(&q).transpose(0, 1);
         let kv_input = Tensor::cat(&[ctx, x], 0);
-        let k = split_heads(self.k_proj.forward(&kv_input), rows, self.num_kv_heads);
-        let k = self.k_norm.forward(&k).transpose(0, 1);
-        let v = split_heads(self.v_proj.forward(&kv_input), rows, self.num_kv_heads).transpose(0, 1);
+        let kv = split_heads(self.kv_proj.forward(&kv_input), rows, 2 * self.num_kv_heads);
+        let k = self.k_norm.forward(&kv.narrow(1, 0, self.num_kv_heads)).transpose(0, 1);
+        let v = kv.narrow(1, self.num_kv_heads, self.num_kv_heads).transpose(0, 1);
         let q_cos = cos.narrow(0, rows - block, block).unsqueeze(0);
         let q_sin = sin.narrow(0, rows - block, block).unsqueeze(0);
         let q = apply_rotary(&q, &q_cos, &q_sin);

@@ -223,6 +223,7 @@ pub fn speculative_generate(
     let limits = TreeLimits { vocab, max_nodes: spec.budget, max_depth };
     // The verify pass appends root + tree before compaction: room for the largest tree.
     let mut cache = model.new_cache(limit + spec.budget + 1);
+    let mut mask = TreeMask::new(spec.budget + 1, cache.capacity(), model.kind(), model.device());
     let width = taps.len() as i64 * model.text_config().hidden_size;
     // A round may accept a whole path past the limit (the committer stops at the limit): room for
     // the deepest one.
@@ -231,9 +232,10 @@ pub fn speculative_generate(
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
     history.push(&inputs.input_ids, prompt_states.as_ref());
-    let mut root = glance_models::decode::argmax_last(&logits);
-    // The target's entropy at the pending root: what the policy predicts a round from.
-    let mut root_entropy = policy.is_some().then(|| f64::from(entropy_nats(&logits.get(-1))));
+    // The root and, for the policy, the target's entropy there (what it predicts a round from).
+    let read = read_back(&logits.narrow(0, logits.size()[0] - 1, 1), policy.is_some());
+    let mut root = read[0] as i64;
+    let mut root_entropy = read.get(1).map(|&e| f64::from(e));
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
@@ -286,8 +288,16 @@ pub fn speculative_generate(
             Some(tree) => {
                 stats.draft_tokens += tree.tokens.len();
                 let entropies = Entropies { root: spec.log_rounds, next: round_entropy };
-                let verified =
-                    verify_round(model, &mut cache, inputs.rope_delta, root, &tree, &taps, entropies)?;
+                let verified = verify_round(
+                    model,
+                    &mut cache,
+                    &mut mask,
+                    inputs.rope_delta,
+                    root,
+                    &tree,
+                    &taps,
+                    entropies,
+                )?;
                 // committed = [root, accepted…, bonus]: this round committed all but the root.
                 let accepted = verified.path.len();
                 if let Some(root_entropy) = verified.root_entropy {
@@ -487,44 +497,74 @@ fn request_tree(
     }
 }
 
-/// The additive mask (1+N, prefix+1+N): every row sees the whole prefix, and inside the pack
-/// only itself and its ancestors.
-fn tree_mask(prefix: usize, tree: &Tree, kind: Kind, device: tch::Device) -> Tensor {
-    let pack = tree.len() as i64 + 1;
-    let blocked: Vec<f32> =
-        tree.ancestor_visibility().iter().map(|&v| if v { 0.0 } else { f32::NEG_INFINITY }).collect();
-    let pack_part = Tensor::from_slice(&blocked).view([pack, pack]);
-    let prefix_part = Tensor::zeros([pack, prefix as i64], (Kind::Float, tch::Device::Cpu));
-    Tensor::cat(&[prefix_part, pack_part], 1).to_device(device).to_kind(kind)
+/// The additive tree mask of a request's verify passes, (1+N, prefix+1+N) per round: every row
+/// sees the whole prefix, and inside the pack only itself and its ancestors. It lives in one
+/// preallocated device buffer of zeros; a round writes only its (1+N)² pack block and the next
+/// round clears it, so no round allocates or copies the prefix part.
+pub struct TreeMask {
+    /// (max_rows, capacity) in the model dtype, zero outside the last written block.
+    buffer: Tensor,
+    /// (rows, first column) of the block written last.
+    written: Option<(i64, i64)>,
+}
+
+impl TreeMask {
+    pub fn new(max_rows: usize, capacity: usize, kind: Kind, device: tch::Device) -> Self {
+        Self { buffer: Tensor::zeros([max_rows as i64, capacity as i64], (kind, device)), written: None }
+    }
+
+    /// The mask for root + `tree` after `prefix` cached positions. `blocked`: (1+N, 1+N) bool,
+    /// true where a row must not see a column of the pack.
+    fn for_pack(&mut self, prefix: usize, blocked: &Tensor) -> Result<Tensor, ModelError> {
+        let pack = blocked.size()[0];
+        let prefix = prefix as i64;
+        let (max_rows, capacity) = (self.buffer.size()[0], self.buffer.size()[1]);
+        if pack > max_rows || prefix + pack > capacity {
+            return Err(ModelError::Input(format!(
+                "a pack of {pack} rows after {prefix} positions exceeds the tree mask ({max_rows} x {capacity})"
+            )));
+        }
+        if let Some((rows, column)) = self.written.take() {
+            let _ = self.buffer.narrow(0, 0, rows).narrow(1, column, rows).fill_(0.0);
+        }
+        let _ =
+            self.buffer.narrow(0, 0, pack).narrow(1, prefix, pack).masked_fill_(blocked, f64::NEG_INFINITY);
+        self.written = Some((pack, prefix));
+        Ok(self.buffer.narrow(0, 0, pack).narrow(1, 0, prefix + pack))
+    }
 }
 
 /// What one verify pass produced.
-struct Verified {
+pub struct Verified {
     /// [root, accepted…, bonus]
-    committed: Vec<i64>,
+    pub committed: Vec<i64>,
     /// Node indices of the accepted path.
-    path: Vec<usize>,
+    pub path: Vec<usize>,
     /// Tap states of [root, accepted…].
-    states: Option<Tensor>,
+    pub states: Option<Tensor>,
     /// Entropy (nats) of the target at the root, when asked for.
-    root_entropy: Option<f32>,
+    pub root_entropy: Option<f32>,
     /// Entropy at the bonus token (the next round's root), when asked for.
-    next_entropy: Option<f32>,
+    pub next_entropy: Option<f32>,
 }
 
 /// Which of the target's entropies a verify pass reads back (one softmax each).
-#[derive(Clone, Copy, Debug)]
-struct Entropies {
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Entropies {
     /// At the round's root (the round log of the entropy law).
-    root: bool,
+    pub root: bool,
     /// At the bonus token, the next round's root (the auto policy's prediction).
-    next: bool,
+    pub next: bool,
 }
 
-/// One target pass over root + tree, the acceptance walk and the KV compaction.
-fn verify_round(
+/// One target pass over root + tree, the acceptance walk and the KV compaction (`bench_round`
+/// times it as the verify cost). One host upload (ids, positions and the pack's visibility) that
+/// does not block, and one read-back (every row's argmax, and its entropy when asked).
+#[allow(clippy::too_many_arguments)]
+pub fn verify_round(
     model: &TargetModel,
     cache: &mut KvCache,
+    mask: &mut TreeMask,
     rope_delta: i64,
     root: i64,
     tree: &Tree,
@@ -533,18 +573,24 @@ fn verify_round(
 ) -> Result<Verified, ModelError> {
     let start = cache.len();
     let device = model.device();
-    let ids: Vec<i64> = std::iter::once(root).chain(tree.tokens.iter().map(|&t| i64::from(t))).collect();
-    let positions: Vec<i64> = std::iter::once(0)
-        .chain(tree.depths.iter().map(|&d| d as i64))
-        .map(|d| start as i64 + d + rope_delta)
+    let n = tree.len() + 1;
+    let host: Vec<i64> = std::iter::once(root)
+        .chain(tree.tokens.iter().map(|&t| i64::from(t)))
+        .chain(
+            std::iter::once(0)
+                .chain(tree.depths.iter().map(|&d| d as i64))
+                .map(|d| start as i64 + d + rope_delta),
+        )
+        .chain(tree.ancestor_visibility().iter().map(|&v| i64::from(!v)))
         .collect();
-    let n = ids.len() as i64;
-    let positions =
-        Tensor::from_slice(&positions).view([1, n]).expand([3, n], false).contiguous().to_device(device);
-    let ids_t = Tensor::from_slice(&ids).to_device(device);
-    let mask = tree_mask(start, tree, model.kind(), device);
+    let uploaded = glance_models::upload(&host, device);
+    let n64 = n as i64;
+    let ids = uploaded.narrow(0, 0, n64);
+    let positions = uploaded.narrow(0, n64, n64).view([1, n64]).expand([3, n64], false);
+    let blocked = uploaded.narrow(0, 2 * n64, n64 * n64).view([n64, n64]).eq(1);
+    let mask = mask.for_pack(start, &blocked)?;
     let step = StepInput {
-        token_ids: &ids_t,
+        token_ids: &ids,
         positions: &positions,
         mask: Some(&mask),
         vision: None,
@@ -552,13 +598,14 @@ fn verify_round(
         logits: LogitRows::All,
     };
     let out = model.forward(&step, cache)?;
-    let logits = out.logits.expect("logits were requested").to_kind(Kind::Float);
-    let root_entropy = entropies.root.then(|| entropy_nats(&logits.get(0)));
-    let choices = Vec::<i64>::try_from(logits.argmax(-1, false)).expect("argmax is a 1-D int64 tensor");
-    let choices: Vec<TokenId> = choices.iter().map(|&c| c as TokenId).collect();
+    let logits = out.logits.expect("logits were requested");
+    let read = read_back(&logits, entropies.root || entropies.next);
+    let choices: Vec<TokenId> = read[..n].iter().map(|&c| c as TokenId).collect();
     let (path, bonus) = tree.accepted_path(&choices);
-    let bonus_row = path.last().map_or(0, |&i| i + 1) as i64;
-    let next_entropy = entropies.next.then(|| entropy_nats(&logits.get(bonus_row)));
+    let bonus_row = path.last().map_or(0, |&i| i + 1);
+    let entropy = |row: usize| read.get(n + row).copied();
+    let root_entropy = entropies.root.then(|| entropy(0)).flatten();
+    let next_entropy = entropies.next.then(|| entropy(bonus_row)).flatten();
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
     let states = gather_states(&out.taps, &keep, device);
@@ -568,18 +615,26 @@ fn verify_round(
     Ok(Verified { committed, path, states, root_entropy, next_entropy })
 }
 
-/// Shannon entropy in nats of softmax(logits), in f32.
-fn entropy_nats(logits: &Tensor) -> f32 {
+/// Every row's argmax and, with `entropy`, then every row's entropy (nats, f32): one host copy.
+/// (Token ids are exact in f32 below 2^24.)
+fn read_back(logits: &Tensor, entropy: bool) -> Vec<f32> {
+    let choices = logits.argmax(-1, false).to_kind(Kind::Float);
+    let packed = if entropy { Tensor::cat(&[choices, entropies_nats(logits)], 0) } else { choices };
+    Vec::<f32>::try_from(packed.to_device(tch::Device::Cpu)).expect("a 1-D f32 tensor")
+}
+
+/// Shannon entropy in nats of softmax over the last dimension of (rows, vocab) logits, in f32.
+fn entropies_nats(logits: &Tensor) -> Tensor {
     let log_p = logits.log_softmax(-1, Kind::Float);
-    (-(log_p.exp() * &log_p).sum(Kind::Float)).double_value(&[]) as f32
+    -(log_p.exp() * &log_p).sum_dim_intlist(-1, false, Kind::Float)
 }
 
 /// What one greedy step committed ([root, next]), the root's tap states, and (when asked) the
 /// target's entropy at `next`.
-type Step = (Vec<i64>, Option<Tensor>, Option<f32>);
+pub type Step = (Vec<i64>, Option<Tensor>, Option<f32>);
 
 /// One plain greedy step (no drafter): forward the root, keep its tap states.
-fn greedy_step(
+pub fn greedy_step(
     model: &TargetModel,
     cache: &mut KvCache,
     rope_delta: i64,
@@ -589,9 +644,9 @@ fn greedy_step(
 ) -> Result<Step, ModelError> {
     let out = glance_models::decode::forward_token(model, cache, root, rope_delta, taps)?;
     let logits = out.logits.as_ref().expect("logits were requested");
-    let next = glance_models::decode::argmax_last(logits);
-    let entropy = with_entropy.then(|| entropy_nats(&logits.get(-1).to_kind(Kind::Float)));
-    Ok((vec![root, next], gather_states(&out.taps, &[0], model.device()), entropy))
+    let read = read_back(logits, with_entropy);
+    let entropy = read.get(1).copied();
+    Ok((vec![root, read[0] as i64], gather_states(&out.taps, &[0], model.device()), entropy))
 }
 
 /// Rows `keep` of the tapped states, concatenated over taps: (keep, taps·hidden).
@@ -604,7 +659,7 @@ fn gather_states(taps: &[Tensor], keep: &[usize], device: tch::Device) -> Option
         taps.iter().map(|t| t.narrow(0, 0, 1)).collect()
     } else {
         let index: Vec<i64> = keep.iter().map(|&k| k as i64).collect();
-        let index = Tensor::from_slice(&index).to_device(device);
+        let index = glance_models::upload(&index, device);
         taps.iter().map(|t| t.index_select(0, &index)).collect()
     };
     Some(Tensor::cat(&rows, -1))
@@ -620,12 +675,33 @@ mod tests {
         tree.push(1, -1, 0.0);
         tree.push(2, -1, 0.0);
         tree.push(3, 0, 0.0);
-        let mask = tree_mask(2, &tree, Kind::Float, tch::Device::Cpu);
-        let visible: Vec<Vec<bool>> =
-            (0..4).map(|r| (0..6).map(|c| mask.double_value(&[r, c]) == 0.0).collect()).collect();
-        assert_eq!(visible[0], [true, true, true, false, false, false]);
-        assert_eq!(visible[1], [true, true, true, true, false, false]);
-        assert_eq!(visible[2], [true, true, true, false, true, false]);
-        assert_eq!(visible[3], [true, true, true, true, false, true]);
+        let blocked = |tree: &Tree| {
+            let visible: Vec<bool> = tree.ancestor_visibility();
+            let pack = tree.len() as i64 + 1;
+            Tensor::from_slice(&visible).view([pack, pack]).logical_not()
+        };
+        let visible = |mask: &Tensor, rows: i64, cols: i64| -> Vec<Vec<bool>> {
+            (0..rows).map(|r| (0..cols).map(|c| mask.double_value(&[r, c]) == 0.0).collect()).collect()
+        };
+        let mut masks = TreeMask::new(8, 16, Kind::Float, tch::Device::Cpu);
+        let mask = masks.for_pack(2, &blocked(&tree)).unwrap();
+        assert_eq!(mask.size(), [4, 6]);
+        let seen = visible(&mask, 4, 6);
+        assert_eq!(seen[0], [true, true, true, false, false, false]);
+        assert_eq!(seen[1], [true, true, true, true, false, false]);
+        assert_eq!(seen[2], [true, true, true, false, true, false]);
+        assert_eq!(seen[3], [true, true, true, true, false, true]);
+        // The next round (two positions later, a chain of two) sees the old block as prefix.
+        let mut chain = Tree::default();
+        chain.push(4, -1, 0.0);
+        chain.push(5, 0, 0.0);
+        let mask = masks.for_pack(4, &blocked(&chain)).unwrap();
+        assert_eq!(mask.size(), [3, 7]);
+        let seen = visible(&mask, 3, 7);
+        assert_eq!(seen[0], [true, true, true, true, true, false, false]);
+        assert_eq!(seen[1], [true, true, true, true, true, true, false]);
+        assert_eq!(seen[2], [true; 7]);
+        // A pack that does not fit is an error, not a panic.
+        assert!(masks.for_pack(15, &blocked(&chain)).is_err());
     }
 }

@@ -126,10 +126,11 @@ pub fn forward_token(
     rope_delta: i64,
     taps: &[usize],
 ) -> Result<crate::StepOutput, ModelError> {
-    let device = model.device();
     let position = cache.len() as i64 + rope_delta;
-    let ids = Tensor::from_slice(&[token]).to_device(device);
-    let positions = Tensor::from_slice(&[position; 3]).view([3, 1]).to_device(device);
+    // One upload that does not block the host: [token, t, h, w].
+    let host = crate::upload(&[token, position, position, position], model.device());
+    let ids = host.narrow(0, 0, 1);
+    let positions = host.narrow(0, 1, 3).view([3, 1]);
     let step = StepInput {
         token_ids: &ids,
         positions: &positions,

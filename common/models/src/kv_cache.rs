@@ -1,8 +1,9 @@
-//! A preallocated per-layer key/value cache for batch-1 decoding.
+//! A preallocated key/value cache for batch-1 decoding.
 //!
-//! Each layer owns K and V buffers of shape (kv_heads, capacity, head_dim); the first `len` rows
-//! are live. Appending writes in place, truncating only moves `len`, and [`KvCache::keep_rows`]
-//! compacts a verified tree to its committed path in place, so no step reallocates.
+//! One buffer (layers, 2, kv_heads, capacity, head_dim) holds every layer's K and V; the first
+//! `len` rows are live. Appending writes in place, truncating only moves `len`, and
+//! [`KvCache::keep_rows`] compacts a verified tree to its committed path in place with one gather
+//! over all layers, so no step reallocates.
 
 use tch::{Device, Kind, Tensor};
 
@@ -15,6 +16,10 @@ pub enum CacheError {
 }
 
 pub struct KvCache {
+    /// (layers, 2, kv_heads, capacity, head_dim): K at [l, 0], V at [l, 1]. `None` in a
+    /// training cache, whose layers are separate tensors.
+    buffer: Option<Tensor>,
+    /// (kv_heads, capacity, head_dim) per layer: views of `buffer`, or tensors of their own.
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: usize,
@@ -33,10 +38,33 @@ impl KvCache {
         // Uninitialized: only rows already written are ever read (every view is `[..len]`), and a
         // drafter session's cache is sized for its whole context limit (tens of MB), whose
         // zero-fill would cost every request several milliseconds.
+        let buffer = Tensor::empty([layers as i64, 2, kv_heads, capacity as i64, head_dim], (kind, device));
+        let view = |layer: usize, which: i64| buffer.select(0, layer as i64).select(0, which);
+        Self {
+            keys: (0..layers).map(|l| view(l, 0)).collect(),
+            values: (0..layers).map(|l| view(l, 1)).collect(),
+            buffer: Some(buffer),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// A cache for a pass with gradients: one tensor per layer's K and V. Autograd versions a
+    /// tensor's storage as a whole, so in one shared buffer the write of a later layer would
+    /// invalidate the K/V an earlier layer's attention saved for its backward.
+    pub fn for_training(
+        layers: usize,
+        kv_heads: i64,
+        head_dim: i64,
+        capacity: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
         let alloc = || Tensor::empty([kv_heads, capacity as i64, head_dim], (kind, device));
         Self {
             keys: (0..layers).map(|_| alloc()).collect(),
             values: (0..layers).map(|_| alloc()).collect(),
+            buffer: None,
             len: 0,
             capacity,
         }
@@ -98,13 +126,17 @@ impl KvCache {
         }
         let is_prefix = keep.iter().enumerate().all(|(i, &k)| i == k);
         if !is_prefix {
-            let device = self.keys[0].device();
             let index: Vec<i64> = keep.iter().map(|&k| (start + k) as i64).collect();
-            let index = Tensor::from_slice(&index).to_device(device);
-            for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                // index_select copies first, so overlapping source and destination are safe.
-                let moved = buf.index_select(1, &index);
-                buf.narrow(1, start as i64, keep.len() as i64).copy_(&moved);
+            let index = crate::upload(&index, self.keys[0].device());
+            let (start, rows) = (start as i64, keep.len() as i64);
+            // index_select copies first, so overlapping source and destination are safe.
+            let compact = |buffer: &Tensor, axis: i64| {
+                let moved = buffer.index_select(axis, &index);
+                buffer.narrow(axis, start, rows).copy_(&moved);
+            };
+            match &self.buffer {
+                Some(stacked) => compact(stacked, 3),
+                None => self.keys.iter().chain(&self.values).for_each(|b| compact(b, 1)),
             }
         }
         self.len = start + keep.len();
@@ -132,16 +164,24 @@ mod tests {
 
     #[test]
     fn append_truncate_and_keep_rows() {
-        let mut cache = KvCache::new(2, 2, 3, 16, Kind::Float, Device::Cpu);
-        append(&mut cache, &[0., 1., 2.]);
-        append(&mut cache, &[10., 11., 12., 13., 14.]);
-        assert_eq!(rows(&cache, 1), vec![0., 1., 2., 10., 11., 12., 13., 14.]);
-        cache.keep_rows(3, &[0, 2, 4]).unwrap();
-        assert_eq!(rows(&cache, 0), vec![0., 1., 2., 10., 12., 14.]);
-        cache.truncate(4);
-        assert_eq!(rows(&cache, 0), vec![0., 1., 2., 10.]);
-        assert!(cache.keep_rows(2, &[1, 0]).is_err());
-        assert!(cache.ensure_room(13).is_err());
-        assert!(cache.ensure_room(12).is_ok());
+        // The stacked buffer and the training layout (a tensor per layer) behave alike.
+        for stacked in [true, false] {
+            let mut cache = if stacked {
+                KvCache::new(2, 2, 3, 16, Kind::Float, Device::Cpu)
+            } else {
+                KvCache::for_training(2, 2, 3, 16, Kind::Float, Device::Cpu)
+            };
+            append(&mut cache, &[0., 1., 2.]);
+            append(&mut cache, &[10., 11., 12., 13., 14.]);
+            assert_eq!(rows(&cache, 1), vec![0., 1., 2., 10., 11., 12., 13., 14.]);
+            cache.keep_rows(3, &[0, 2, 4]).unwrap();
+            assert_eq!(rows(&cache, 0), vec![0., 1., 2., 10., 12., 14.]);
+            assert_eq!(rows(&cache, 1), vec![0., 1., 2., 10., 12., 14.]);
+            cache.truncate(4);
+            assert_eq!(rows(&cache, 0), vec![0., 1., 2., 10.]);
+            assert!(cache.keep_rows(2, &[1, 0]).is_err());
+            assert!(cache.ensure_room(13).is_err());
+            assert!(cache.ensure_room(12).is_ok());
+        }
     }
 }

@@ -53,7 +53,9 @@ impl Linear {
     }
 }
 
-/// RMSNorm as Qwen computes it: normalize in f32, cast back, then scale.
+/// RMSNorm as Qwen computes it: normalize in f32, cast back, then scale. The normalization is
+/// libtorch's one fused `rms_norm` (without weight: it upcasts to f32 and casts back exactly as
+/// the reference does), then the scale in the model dtype: two calls instead of eight.
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
@@ -65,11 +67,58 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let kind = x.kind();
-        let x32 = x.to_kind(Kind::Float);
-        let variance = x32.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-        let normed = x32 * (variance + self.eps).rsqrt();
-        &self.weight * normed.to_kind(kind)
+        &self.weight * normalize_rms(x, self.eps)
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+}
+
+/// `x / rms(x)` over the last dimension, computed in f32 and cast back to x's dtype.
+pub fn normalize_rms(x: &Tensor, eps: f64) -> Tensor {
+    let dim = *x.size().last().expect("rms norm input has a last dimension");
+    x.rms_norm([dim], None::<Tensor>, eps)
+}
+
+/// Several projections of one input (q/k/v, gate/up) as one matmul: their weights are
+/// concatenated at load and the output is one (…, Σ out) tensor the caller splits. A trainable
+/// checkpoint keeps them apart (its parameters are the stored tensors) and concatenates outputs.
+pub struct FusedLinear {
+    fused: Option<Linear>,
+    parts: Vec<Linear>,
+}
+
+impl FusedLinear {
+    /// Loads `{prefix}.weight` (out, in) for each (prefix, out) and their biases when `bias`.
+    pub fn load(
+        ckpt: &mut Checkpoint,
+        parts: &[(String, i64)],
+        in_dim: i64,
+        bias: bool,
+    ) -> Result<Self, WeightsError> {
+        let parts = parts
+            .iter()
+            .map(|(prefix, out_dim)| Linear::load(ckpt, prefix, in_dim, *out_dim, bias))
+            .collect::<Result<Vec<_>, _>>()?;
+        if ckpt.is_trainable() {
+            return Ok(Self { fused: None, parts });
+        }
+        let weight = Tensor::cat(&parts.iter().map(|p| &p.weight).collect::<Vec<_>>(), 0);
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.bias.as_ref()).collect();
+        let bias = biases.map(|b| Tensor::cat(&b, 0));
+        Ok(Self { fused: Some(Linear { weight, bias }), parts: Vec::new() })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        match &self.fused {
+            Some(linear) => linear.forward(x),
+            None => Tensor::cat(&self.parts.iter().map(|p| p.forward(x)).collect::<Vec<_>>(), -1),
+        }
     }
 }
 
@@ -132,12 +181,12 @@ impl Activation {
 }
 
 /// SwiGLU MLP `down(act(gate(x)) · up(x))` of the Qwen decoders, the DFlash head and the
-/// Qwen2.5-VL vision blocks (the latter with biases).
+/// Qwen2.5-VL vision blocks (the latter with biases); gate and up are one fused matmul.
 pub struct SwiGlu {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: FusedLinear,
     down_proj: Linear,
     activation: Activation,
+    intermediate: i64,
 }
 
 impl SwiGlu {
@@ -150,17 +199,20 @@ impl SwiGlu {
         bias: bool,
         activation: Activation,
     ) -> Result<Self, WeightsError> {
+        let parts =
+            [(format!("{prefix}.gate_proj"), intermediate), (format!("{prefix}.up_proj"), intermediate)];
         Ok(Self {
-            gate_proj: Linear::load(ckpt, &format!("{prefix}.gate_proj"), hidden, intermediate, bias)?,
-            up_proj: Linear::load(ckpt, &format!("{prefix}.up_proj"), hidden, intermediate, bias)?,
+            gate_up: FusedLinear::load(ckpt, &parts, hidden, bias)?,
             down_proj: Linear::load(ckpt, &format!("{prefix}.down_proj"), intermediate, hidden, bias)?,
             activation,
+            intermediate,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let gate = self.activation.apply(&self.gate_proj.forward(x));
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
+        let gate_up = self.gate_up.forward(x);
+        let gate = self.activation.apply(&gate_up.narrow(-1, 0, self.intermediate));
+        self.down_proj.forward(&(gate * gate_up.narrow(-1, self.intermediate, self.intermediate)))
     }
 }
 
@@ -182,6 +234,35 @@ pub fn rotate_half(x: &Tensor) -> Tensor {
 /// `x·cos + rotate_half(x)·sin`, with cos/sin broadcastable to x.
 pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     x * cos + rotate_half(x) * sin
+}
+
+/// Rotary tables for `x·cos + rotate_half(x)·sin` in four calls: with the reference's
+/// `cos = cat(c, c)`, `sin = cat(s, s)`, `rotate_half(x)·sin = roll(x, half)·cat(−s, s)`, exactly.
+pub struct Rotary {
+    cos: Tensor,
+    signed_sin: Tensor,
+}
+
+impl Rotary {
+    /// From the angles of the frequency pairs (…, head_dim/2), f32, cast to `kind`.
+    pub fn from_half_angles(angles: &Tensor, kind: Kind) -> Self {
+        let (cos, sin) = (angles.cos(), angles.sin());
+        Self {
+            cos: Tensor::cat(&[&cos, &cos], -1).to_kind(kind),
+            signed_sin: Tensor::cat(&[&sin.neg(), &sin], -1).to_kind(kind),
+        }
+    }
+
+    /// Inserts a broadcast dimension at `dim` of both tables (e.g. the heads axis).
+    pub fn unsqueeze(&self, dim: i64) -> Self {
+        Self { cos: self.cos.unsqueeze(dim), signed_sin: self.signed_sin.unsqueeze(dim) }
+    }
+
+    /// x (…, head_dim), tables broadcastable to it.
+    pub fn apply(&self, x: &Tensor) -> Tensor {
+        let half = x.size().last().copied().expect("rotary input has a last dimension") / 2;
+        x * &self.cos + x.roll([half], [-1]) * &self.signed_sin
+    }
 }
 
 /// Additive causal mask (n, past + n) for n new rows after `past` cached ones.

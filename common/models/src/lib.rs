@@ -61,6 +61,22 @@ impl VisionTower {
     }
 }
 
+/// Small host data (token ids, positions, row indices) as an int64 tensor on `device`, without a
+/// host sync (see [`upload_tensor`]).
+pub fn upload(values: &[i64], device: Device) -> Tensor {
+    upload_tensor(&Tensor::from_slice(values), device)
+}
+
+/// A CPU tensor copied to `device`. On a GPU the copy goes through pinned memory without blocking,
+/// so it is not a host sync: the stream orders it before the kernels that read it (a plain
+/// `to_device` waits for the copy, and with it for every kernel queued before).
+pub fn upload_tensor(host: &Tensor, device: Device) -> Tensor {
+    match device {
+        Device::Cpu => host.shallow_clone(),
+        _ => host.pin_memory(device).to_device_(device, host.kind(), true, false),
+    }
+}
+
 /// A loaded target VLM.
 pub struct TargetModel {
     pub config: TargetConfig,
@@ -128,6 +144,11 @@ impl TargetModel {
     /// A KV cache for `capacity` positions in the model's dtype and device.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         self.text.new_cache(capacity, self.kind, self.device)
+    }
+
+    /// A KV cache for a pass with gradients (training the toy target).
+    pub fn new_training_cache(&self, capacity: usize) -> KvCache {
+        self.text.new_training_cache(capacity, self.kind, self.device)
     }
 }
 

@@ -4,7 +4,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::layers::{apply_rotary, causal_mask, inverse_frequencies, Activation, Linear, RmsNorm, SwiGlu};
+use super::layers::{
+    causal_mask, inverse_frequencies, normalize_rms, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu,
+};
 use super::ModelError;
 use crate::kv_cache::KvCache;
 use crate::weights::{Checkpoint, WeightsError};
@@ -67,15 +69,56 @@ pub struct TextConfig {
 }
 
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q, k and v in one matmul: (n, hidden) → (n, (heads + 2·kv_heads)·head_dim).
+    qkv_proj: FusedLinear,
     o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
+    /// Qwen3: q_norm and k_norm, applied to the q and k heads together.
+    qk_norm: Option<HeadNorms>,
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
+}
+
+/// The per-head RMSNorms of q and k as one normalization over the (heads + kv_heads) q and k
+/// heads, scaled by the two weights stacked per head.
+struct HeadNorms {
+    q: RmsNorm,
+    k: RmsNorm,
+    /// (heads + kv_heads, head_dim); `None` for a trainable checkpoint, whose parameters are `q`
+    /// and `k` themselves (the stack is then built per pass).
+    stacked: Option<Tensor>,
+    num_heads: i64,
+    num_kv_heads: i64,
+}
+
+impl HeadNorms {
+    fn new(q: RmsNorm, k: RmsNorm, num_heads: i64, num_kv_heads: i64, trainable: bool) -> Self {
+        let mut norms = Self { q, k, stacked: None, num_heads, num_kv_heads };
+        if !trainable {
+            norms.stacked = Some(norms.stack());
+        }
+        norms
+    }
+
+    fn stack(&self) -> Tensor {
+        let dim = self.q.weight().size()[0];
+        Tensor::cat(
+            &[
+                self.q.weight().expand([self.num_heads, dim], false),
+                self.k.weight().expand([self.num_kv_heads, dim], false),
+            ],
+            0,
+        )
+    }
+
+    /// qk: (n, heads + kv_heads, head_dim).
+    fn forward(&self, qk: &Tensor) -> Tensor {
+        let normed = normalize_rms(qk, self.q.eps());
+        match &self.stacked {
+            Some(weight) => weight * normed,
+            None => self.stack() * normed,
+        }
+    }
 }
 
 struct DecoderLayer {
@@ -195,6 +238,12 @@ impl TextModel {
         KvCache::new(c.num_layers, c.num_kv_heads, c.head_dim, capacity, kind, device)
     }
 
+    /// A cache for a pass with gradients (see [`KvCache::for_training`]).
+    pub fn new_training_cache(&self, capacity: usize, kind: Kind, device: Device) -> KvCache {
+        let c = &self.config;
+        KvCache::for_training(c.num_layers, c.num_kv_heads, c.head_dim, capacity, kind, device)
+    }
+
     pub fn forward(&self, input: &StepInput, cache: &mut KvCache) -> Result<StepOutput, ModelError> {
         let n = input.token_ids.size()[0];
         check_step_shapes(input, n, cache.len() as i64, self.config.num_layers)?;
@@ -204,7 +253,7 @@ impl TextModel {
             Some(vision) => Some(self.splice_images(&mut hidden, input.token_ids, vision)?),
             None => None,
         };
-        let (cos, sin) = self.rotary(input.positions, hidden.kind());
+        let rotary = self.rotary(input.positions, hidden.kind());
         let past = cache.len() as i64;
         let default_mask = (input.mask.is_none() && n > 1 && past > 0)
             .then(|| causal_mask(past, n, hidden.kind(), hidden.device()));
@@ -212,7 +261,7 @@ impl TextModel {
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
         let last_layer = self.layers.len() - 1;
         for (i, layer) in self.layers.iter().enumerate() {
-            hidden = layer.forward(&hidden, &cos, &sin, mask, i, cache);
+            hidden = layer.forward(&hidden, &rotary, mask, i, cache);
             // HF records hidden_states[i+1] before the DeepStack injection; the last one is
             // replaced by the final-norm output (see below).
             if i != last_layer {
@@ -256,15 +305,14 @@ impl TextModel {
         Ok(rows)
     }
 
-    /// cos and sin (n, head_dim) for M-RoPE positions (3, n).
-    fn rotary(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+    /// Rotary tables (n, 1, head_dim) for M-RoPE positions (3, n), broadcast over the heads.
+    fn rotary(&self, positions: &Tensor, kind: Kind) -> Rotary {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq; // (3, n, hd/2)
         let n = positions.size()[1];
         let pairs = self.inv_freq.size()[0];
         let axis = self.axis_per_pair.view([1, 1, pairs]).expand([1, n, pairs], false);
-        let chosen = freqs.gather(0, &axis, false).squeeze_dim(0); // (n, hd/2)
-        let angles = Tensor::cat(&[&chosen, &chosen], -1);
-        (angles.cos().to_kind(kind), angles.sin().to_kind(kind))
+        let chosen = freqs.gather(0, &axis, false).view([n, 1, pairs]); // (n, 1, hd/2)
+        Rotary::from_half_angles(&chosen, kind)
     }
 }
 
@@ -324,13 +372,12 @@ impl DecoderLayer {
     fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rotary: &Rotary,
         mask: Option<&Tensor>,
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
-        let h = x + self.attn.forward(&self.input_layernorm.forward(x), cos, sin, mask, layer, cache);
+        let h = x + self.attn.forward(&self.input_layernorm.forward(x), rotary, mask, layer, cache);
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
 }
@@ -339,19 +386,24 @@ impl Attention {
     fn load(ckpt: &mut Checkpoint, prefix: &str, c: &TextConfig) -> Result<Self, WeightsError> {
         let q_dim = c.num_heads * c.head_dim;
         let kv_dim = c.num_kv_heads * c.head_dim;
-        let proj = |ckpt: &mut Checkpoint, name: &str, i: i64, o: i64, bias: bool| {
-            Linear::load(ckpt, &format!("{prefix}.{name}"), i, o, bias)
-        };
+        let parts = [
+            (format!("{prefix}.q_proj"), q_dim),
+            (format!("{prefix}.k_proj"), kv_dim),
+            (format!("{prefix}.v_proj"), kv_dim),
+        ];
         let norm = |ckpt: &mut Checkpoint, name: &str| {
             RmsNorm::load(ckpt, &format!("{prefix}.{name}"), c.head_dim, c.rms_norm_eps)
         };
+        let qk_norm = if c.qk_norm {
+            let (q, k) = (norm(ckpt, "q_norm")?, norm(ckpt, "k_norm")?);
+            Some(HeadNorms::new(q, k, c.num_heads, c.num_kv_heads, ckpt.is_trainable()))
+        } else {
+            None
+        };
         Ok(Self {
-            q_proj: proj(ckpt, "q_proj", c.hidden_size, q_dim, c.qkv_bias)?,
-            k_proj: proj(ckpt, "k_proj", c.hidden_size, kv_dim, c.qkv_bias)?,
-            v_proj: proj(ckpt, "v_proj", c.hidden_size, kv_dim, c.qkv_bias)?,
-            o_proj: proj(ckpt, "o_proj", q_dim, c.hidden_size, c.o_bias)?,
-            q_norm: if c.qk_norm { Some(norm(ckpt, "q_norm")?) } else { None },
-            k_norm: if c.qk_norm { Some(norm(ckpt, "k_norm")?) } else { None },
+            qkv_proj: FusedLinear::load(ckpt, &parts, c.hidden_size, c.qkv_bias)?,
+            o_proj: Linear::load(ckpt, &format!("{prefix}.o_proj"), q_dim, c.hidden_size, c.o_bias)?,
+            qk_norm,
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -362,27 +414,24 @@ impl Attention {
     fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rotary: &Rotary,
         mask: Option<&Tensor>,
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
         let n = x.size()[0];
-        let heads = |t: Tensor, count: i64, norm: &Option<RmsNorm>| {
-            let t = t.view([n, count, self.head_dim]);
-            let t = match norm {
-                Some(norm) => norm.forward(&t),
-                None => t,
-            };
-            t.transpose(0, 1) // (count, n, head_dim)
+        let (heads, kv_heads) = (self.num_heads, self.num_kv_heads);
+        let qkv = self.qkv_proj.forward(x).view([n, heads + 2 * kv_heads, self.head_dim]);
+        // q and k heads are normalized (Qwen3) and rotated together: one call each, not two.
+        let qk = qkv.narrow(1, 0, heads + kv_heads);
+        let qk = match &self.qk_norm {
+            Some(norms) => norms.forward(&qk),
+            None => qk,
         };
-        let q = heads(self.q_proj.forward(x), self.num_heads, &self.q_norm);
-        let k = heads(self.k_proj.forward(x), self.num_kv_heads, &self.k_norm);
-        let v = heads(self.v_proj.forward(x), self.num_kv_heads, &None);
-        let (cos, sin) = (cos.unsqueeze(0), sin.unsqueeze(0));
-        let q = apply_rotary(&q, &cos, &sin);
-        let k = apply_rotary(&k, &cos, &sin);
+        let qk = rotary.apply(&qk).transpose(0, 1); // (heads + kv_heads, n, head_dim)
+        let q = qk.narrow(0, 0, heads);
+        let k = qk.narrow(0, heads, kv_heads);
+        let v = qkv.narrow(1, heads + kv_heads, kv_heads).transpose(0, 1);
         let (keys, values) = cache.write(layer, &k, &v);
         let causal = mask.is_none() && n > 1;
         let out = Tensor::scaled_dot_product_attention(

@@ -152,6 +152,11 @@ impl Checkpoint {
         self.kind
     }
 
+    /// Whether taken tensors are trainable parameters (then models keep them as stored, unfused).
+    pub fn is_trainable(&self) -> bool {
+        self.trainable
+    }
+
     pub fn device(&self) -> Device {
         self.device
     }

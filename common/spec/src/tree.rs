@@ -175,16 +175,21 @@ impl Marginals {
         let [offsets, vocab] = size[..] else {
             return Err(TreeError::LogitsShape(size));
         };
+        if vocab > 1 << 24 {
+            // The ids come back as f32 (below).
+            return Err(TreeError::LogitsShape(size));
+        }
         let k = (k as i64).min(vocab);
         let (values, indices) =
             tch::no_grad(|| logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float).topk(k, -1, true, true));
-        let values = Vec::<f32>::try_from(values.to_device(tch::Device::Cpu).flatten(0, -1))
+        // One host copy: the ids travel as f32 beside the values (exact below 2^24).
+        let packed = Tensor::cat(&[values.flatten(0, -1), indices.flatten(0, -1).to_kind(Kind::Float)], 0);
+        let packed = Vec::<f32>::try_from(packed.to_device(tch::Device::Cpu))
             .map_err(|_| TreeError::LogitsShape(size.clone()))?;
-        let indices = Vec::<i64>::try_from(indices.to_device(tch::Device::Cpu).flatten(0, -1))
-            .map_err(|_| TreeError::LogitsShape(size.clone()))?;
+        let (values, indices) = packed.split_at(packed.len() / 2);
         let ids: Vec<TokenId> = indices.iter().map(|&i| i as TokenId).collect();
         let (offsets, k) = (offsets as usize, k as usize);
-        Ok(Self { ids: split_rows(&ids, offsets, k), log_probs: split_rows(&values, offsets, k) })
+        Ok(Self { ids: split_rows(&ids, offsets, k), log_probs: split_rows(values, offsets, k) })
     }
 
     /// Offsets with candidates.
