@@ -23,6 +23,7 @@ use glance_models::weights::{Checkpoint, RandomInit};
 use glance_models::{TargetConfig, TargetModel};
 use glance_spec::session::{DraftEngine, RoundInput, Session};
 use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
+use glance_tests::process::ServiceProcess;
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 use verifier_svc::speculative::{verify_round, Entropies, TreeMask};
@@ -65,6 +66,11 @@ struct Args {
     /// Skip the transformers peer.
     #[arg(long)]
     no_peer: bool,
+    /// Rounds of the loopback hop measurement (the toy head in a drafter-svc process); 0 skips it.
+    #[arg(long, default_value_t = 200)]
+    hop_rounds: usize,
+    #[arg(long, default_value = "models/toy-head")]
+    toy_head: PathBuf,
     #[arg(long, default_value = "bench-round.json")]
     json: PathBuf,
     #[arg(long, default_value = "bench-round.md")]
@@ -135,7 +141,9 @@ fn main() {
             cells.push(cell);
         }
     }
+    let hop = (args.hop_rounds > 0).then(|| measure_hop(&args));
     let report = json!({
+        "hop": hop,
         "context": args.context,
         "threads": args.threads,
         "device": args.device,
@@ -144,7 +152,14 @@ fn main() {
         "cells": cells,
     });
     std::fs::write(&args.json, serde_json::to_string_pretty(&report).expect("json")).expect("write json");
-    let markdown = markdown(&cells, &args);
+    let mut markdown = markdown(&cells, &args);
+    if let Some(hop) = &hop {
+        markdown.push_str(&format!(
+            "\nHop (toy head in drafter-svc on loopback, {} rounds of {} context rows): median {:.3} ms, \
+             p90 {:.3} ms per round (round trip minus the drafter's own time), {} bytes sent per round.\n",
+            hop.rounds, args.rows_per_round, hop.median_ms, hop.p90_ms, hop.bytes_per_round
+        ));
+    }
     std::fs::write(&args.markdown, &markdown).expect("write markdown");
     println!("{markdown}");
 }
@@ -298,6 +313,75 @@ fn draft_pass_ms(args: &Args, model: &TargetModel, dims: &Dims, taps: &[usize]) 
     };
     round(&mut session, args.context);
     best_of(args.repeats, || round(&mut session, args.rows_per_round))
+}
+
+/// The hop of a round on loopback: a verifier-side stream to a drafter-svc process running the toy
+/// head, `rows_per_round` new context rows (f32 tap states) plus a round request per message.
+#[derive(Debug, serde::Serialize)]
+struct Hop {
+    rounds: usize,
+    median_ms: f64,
+    p90_ms: f64,
+    bytes_per_round: usize,
+}
+
+fn measure_hop(args: &Args) -> Hop {
+    use glance_proto::drafter::v1 as dpb;
+    let drafter =
+        ServiceProcess::block_head_drafter(&args.toy_head, &args.toy_target, &[("OMP_NUM_THREADS", "1")]);
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let mut client =
+            dpb::drafter_client::DrafterClient::connect(drafter.url.clone()).await.expect("connect");
+        let info = client.handshake(dpb::HandshakeRequest::default()).await.expect("handshake").into_inner();
+        let width = info.tap_layers.len() * info.hidden_size as usize;
+        let (outbound, requests) = tokio::sync::mpsc::channel(4);
+        let mut inbound = client
+            .draft(tokio_stream::wrappers::ReceiverStream::new(requests))
+            .await
+            .expect("stream")
+            .into_inner();
+        let message = |first: usize, rows: usize| {
+            let states = vec![0u8; rows * width * 4];
+            dpb::DraftRequest {
+                context: Some(dpb::ContextRows {
+                    first_position: first as u64,
+                    tokens: vec![1; rows],
+                    states: Some(dpb::TensorData {
+                        dtype: "f32".into(),
+                        shape: vec![rows as u64, width as u64],
+                        data: states,
+                    }),
+                }),
+                round: Some(dpb::RoundRequest {
+                    root_token: 1,
+                    root_position: (first + rows) as u64,
+                    tree_budget: 31,
+                    branch_k: 8,
+                }),
+            }
+        };
+        let mut position = 0;
+        let mut hops = Vec::new();
+        let mut bytes = 0;
+        for round in 0..args.hop_rounds + 1 {
+            let rows = if round == 0 { args.context.min(256) } else { args.rows_per_round };
+            let request = message(position, rows);
+            bytes = prost::Message::encoded_len(&request);
+            position += rows;
+            let started = Instant::now();
+            outbound.send(request).await.expect("send");
+            let reply = inbound.message().await.expect("reply").expect("a reply");
+            let hop = started.elapsed().as_secs_f64() * 1000.0 - reply.draft_ms;
+            if round > 0 {
+                hops.push(hop);
+            }
+        }
+        hops.sort_by(f64::total_cmp);
+        let at = |q: f64| hops[((hops.len() - 1) as f64 * q) as usize];
+        Hop { rounds: hops.len(), median_ms: at(0.5), p90_ms: at(0.9), bytes_per_round: bytes }
+    })
 }
 
 /// Milliseconds of the fastest of `repeats` runs after one warm-up.
