@@ -551,31 +551,17 @@ impl DraftProvider for RemoteProvider {
         let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
         // The drafter's spans join this request's trace.
         glance_telemetry::inject_trace_context(&tracing::Span::current(), request.metadata_mut());
-        let opened = self.drafter.runtime.block_on(async {
-            tokio::time::timeout(
-                self.drafter.round_deadline.max(Duration::from_secs(1)),
-                client.draft(request),
-            )
-            .await
-        });
-        match opened {
-            Ok(Ok(response)) => Some(Box::new(RemoteSession {
-                drafter: Arc::clone(&self.drafter),
-                outbound,
-                inbound: response.into_inner(),
-                context_len: 0,
-                bytes_sent: 0,
-                wire_kind: info.wire_kind,
-            })),
-            Ok(Err(status)) => {
-                self.drafter.stream_failed(&status);
-                None
-            }
-            Err(_) => {
-                self.drafter.mark_failed();
-                None
-            }
-        }
+        // The stream opens in the background (overlapping the target's prefill); the first round
+        // awaits it. Its messages queue in `outbound` meanwhile.
+        let opening = self.drafter.runtime.spawn(async move { client.draft(request).await });
+        Some(Box::new(RemoteSession {
+            drafter: Arc::clone(&self.drafter),
+            outbound,
+            inbound: Inbound::Opening(opening),
+            context_len: 0,
+            bytes_sent: 0,
+            wire_kind: info.wire_kind,
+        }))
     }
 
     fn tap_layers(&self) -> &[usize] {
@@ -590,10 +576,43 @@ impl DraftProvider for RemoteProvider {
 struct RemoteSession {
     drafter: Arc<RemoteDrafter>,
     outbound: mpsc::Sender<pb::DraftRequest>,
-    inbound: tonic::Streaming<pb::DraftResponse>,
+    inbound: Inbound,
     context_len: usize,
     bytes_sent: u64,
     wire_kind: Kind,
+}
+
+/// The drafter's reply stream: still opening (the drafter has not answered the stream's headers
+/// yet), or open.
+enum Inbound {
+    Opening(
+        tokio::task::JoinHandle<Result<tonic::Response<tonic::Streaming<pb::DraftResponse>>, tonic::Status>>,
+    ),
+    Open(Box<tonic::Streaming<pb::DraftResponse>>),
+}
+
+impl Inbound {
+    /// The open stream, once the drafter has answered its opening.
+    async fn ready(&mut self) -> Result<&mut tonic::Streaming<pb::DraftResponse>, tonic::Status> {
+        if let Inbound::Opening(opening) = self {
+            let opened = opening
+                .await
+                .map_err(|e| tonic::Status::unavailable(format!("opening the draft stream: {e}")))?;
+            *self = Inbound::Open(Box::new(opened?.into_inner()));
+        }
+        match self {
+            Inbound::Open(stream) => Ok(stream),
+            Inbound::Opening(_) => unreachable!("replaced above"),
+        }
+    }
+}
+
+impl Drop for RemoteSession {
+    fn drop(&mut self) {
+        if let Inbound::Opening(opening) = &self.inbound {
+            opening.abort();
+        }
+    }
 }
 
 impl RemoteSession {
@@ -652,7 +671,12 @@ impl DraftSession for RemoteSession {
                 for message in messages {
                     outbound.send(message).await.map_err(|_| tonic::Status::unavailable("stream closed"))?;
                 }
-                inbound.message().await?.ok_or_else(|| tonic::Status::unavailable("stream ended"))
+                inbound
+                    .ready()
+                    .await?
+                    .message()
+                    .await?
+                    .ok_or_else(|| tonic::Status::unavailable("stream ended"))
             })
             .await
         });

@@ -228,6 +228,8 @@ pub fn speculative_generate(
     // A round may accept a whole path past the limit (the committer stops at the limit): room for
     // the deepest one.
     let mut history = History::new(limit + max_depth + 1, width, model);
+    // Opened before the prefill: a remote drafter's stream opens while the target prefills.
+    let mut session = provider.open();
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
@@ -240,7 +242,6 @@ pub fn speculative_generate(
     let decode_started = Instant::now();
     let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
     let mut committer = Committer { tokens: Vec::new(), params, on_token, finish: None, prompt_len, limit };
-    let mut session = provider.open();
     let mut retry = Retry::default();
     let mut alive = committer.commit(root);
     while alive {
