@@ -272,10 +272,11 @@ impl RoundPolicy {
         Self { wait: 0, explore: true, pending: None, stats: PolicyStats::default(), ..self.clone() }
     }
 
-    /// Whether a greedy step should read back the target's entropy at its token: only once the law
-    /// can use it (a verify round always reads it, to feed the law).
+    /// Whether a greedy step should read back the target's entropy at its token: only when the
+    /// next decision will read it, i.e. the law can use it and that decision is neither a wait
+    /// step nor a probe (a verify round always reads it, to feed the law).
     pub fn wants_step_entropy(&self) -> bool {
-        self.law.is_fitted()
+        self.law.is_fitted() && self.wait == 0 && !self.explore
     }
 
     /// Before a round: ask the drafter, or take a greedy step? `root_entropy` is the target's at
@@ -476,6 +477,21 @@ mod tests {
         let probes = policy.stats.verified_rounds + policy.stats.declined_trees;
         assert!(policy.stats.greedy_steps > 300, "{:?}", policy.stats);
         assert!(probes < 40, "{:?}", policy.stats);
+    }
+
+    #[test]
+    fn greedy_steps_read_the_entropy_only_for_a_decision_that_uses_it() {
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        simulate(&mut policy, 400, 15, 0.9, 0);
+        // Never accepted: the policy waits between probes, and a wait step or a probe does not
+        // look at the entropy, so no step reads it back (fitted law or not).
+        assert!(policy.wait > 0 || policy.explore);
+        assert!(!policy.wants_step_entropy());
+        let mut fresh = policy.for_new_request();
+        assert!(!fresh.wants_step_entropy(), "a request opens with a probe");
+        fresh.explore = false;
+        fresh.wait = 0;
+        assert_eq!(fresh.wants_step_entropy(), fresh.law.is_fitted());
     }
 
     #[test]
