@@ -11,7 +11,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("glance_v1_descriptor.bin"))
         .compile_with_config(protoc_config()?, &[public], &["."])?;
-    tonic_prost_build::configure().compile_with_config(protoc_config()?, &[internal], &["."])?;
+    // Tap-state payloads as `bytes::Bytes`: a received payload is a slice of the receive buffer,
+    // not a copy of it.
+    let mut internal_config = protoc_config()?;
+    internal_config.bytes([".glance.drafter.v1.TensorData.data"]);
+    tonic_prost_build::configure().compile_with_config(internal_config, &[internal], &["."])?;
     Ok(())
 }
 

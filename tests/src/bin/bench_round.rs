@@ -351,7 +351,7 @@ fn measure_hop(args: &Args) -> Hop {
                     states: Some(dpb::TensorData {
                         dtype: "f32".into(),
                         shape: vec![rows as u64, width as u64],
-                        data: states,
+                        data: states.into(),
                     }),
                 }),
                 round: Some(dpb::RoundRequest {
