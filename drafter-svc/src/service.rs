@@ -150,8 +150,7 @@ fn handle(
     if let Some(context) = message.context {
         let states = match &context.states {
             Some(data) => {
-                let host = codec::decode(data, tch::Device::Cpu)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                let host = codec::decode(data).map_err(|e| Status::invalid_argument(e.to_string()))?;
                 Some(glance_models::upload_tensor(&host, device))
             }
             None => None,

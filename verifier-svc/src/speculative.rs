@@ -235,7 +235,7 @@ pub fn speculative_generate(
     drop(prefill_span);
     history.push(&inputs.input_ids, prompt_states.as_ref());
     // The root and, for the policy, the target's entropy there (what it predicts a round from).
-    let read = read_back(&logits.narrow(0, logits.size()[0] - 1, 1), policy.is_some());
+    let read = read_back(&logits, policy.is_some()); // the last row's (1, vocab) logits
     let mut root = read[0] as i64;
     let mut root_entropy = read.get(1).map(|&e| f64::from(e));
     let prefill_time = started.elapsed();
@@ -550,7 +550,7 @@ pub struct Verified {
 }
 
 /// Which of the target's entropies a verify pass reads back (one softmax each).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Entropies {
     /// At the round's root (the round log of the entropy law).
     pub root: bool,
@@ -632,10 +632,10 @@ fn entropies_nats(logits: &Tensor) -> Tensor {
 
 /// What one greedy step committed ([root, next]), the root's tap states, and (when asked) the
 /// target's entropy at `next`.
-pub type Step = (Vec<i64>, Option<Tensor>, Option<f32>);
+type Step = (Vec<i64>, Option<Tensor>, Option<f32>);
 
 /// One plain greedy step (no drafter): forward the root, keep its tap states.
-pub fn greedy_step(
+fn greedy_step(
     model: &TargetModel,
     cache: &mut KvCache,
     rope_delta: i64,

@@ -253,11 +253,6 @@ impl Rotary {
         }
     }
 
-    /// Inserts a broadcast dimension at `dim` of both tables (e.g. the heads axis).
-    pub fn unsqueeze(&self, dim: i64) -> Self {
-        Self { cos: self.cos.unsqueeze(dim), signed_sin: self.signed_sin.unsqueeze(dim) }
-    }
-
     /// x (…, head_dim), tables broadcastable to it.
     pub fn apply(&self, x: &Tensor) -> Tensor {
         let half = x.size().last().copied().expect("rotary input has a last dimension") / 2;

@@ -49,8 +49,9 @@ pub fn encode(tensor: &Tensor, kind: Kind) -> pb::TensorData {
     }
 }
 
-/// Deserializes, checking that the byte count matches dtype and shape.
-pub fn decode(data: &pb::TensorData, device: Device) -> Result<Tensor, WireError> {
+/// Deserializes into a CPU tensor, checking that the byte count matches dtype and shape (the
+/// receiver uploads it to its device).
+pub fn decode(data: &pb::TensorData) -> Result<Tensor, WireError> {
     let (kind, element) = kind_of(&data.dtype).ok_or_else(|| WireError::Dtype(data.dtype.clone()))?;
     let numel = data.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
     let expected = numel.and_then(|n| n.checked_mul(element));
@@ -63,7 +64,7 @@ pub fn decode(data: &pb::TensorData, device: Device) -> Result<Tensor, WireError
         });
     }
     let shape: Vec<i64> = data.shape.iter().map(|&d| d as i64).collect();
-    Ok(Tensor::from_data_size(&data.data, &shape, kind).to_device(device))
+    Ok(Tensor::from_data_size(&data.data, &shape, kind))
 }
 
 /// A drafted tree as the drafter answers a round (`draft_ms`: its time on the round).
@@ -117,16 +118,16 @@ mod tests {
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]) / 3.0;
         for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
             let wire = encode(&t, kind);
-            let back = decode(&wire, Device::Cpu).unwrap();
+            let back = decode(&wire).unwrap();
             assert_eq!(back.size(), vec![3, 4]);
             let diff = (back.to_kind(Kind::Float) - &t).abs().max().double_value(&[]);
             assert!(diff < 0.02, "{kind:?}: {diff}");
         }
         let mut bad = encode(&t, Kind::Float);
         bad.data.truncate(bad.data.len() - 1);
-        assert!(decode(&bad, Device::Cpu).is_err());
+        assert!(decode(&bad).is_err());
         bad.dtype = "int8".into();
-        assert!(decode(&bad, Device::Cpu).is_err());
+        assert!(decode(&bad).is_err());
     }
 
     #[test]
