@@ -42,6 +42,11 @@ async fn run_suite(
         total.fallback_rounds += stats.fallback_rounds;
         total.rejected_trees += stats.rejected_trees;
         total.mean_accepted_length += stats.mean_accepted_length * stats.rounds as f64;
+        if let Some(auto) = stats.auto {
+            let sum = total.auto.get_or_insert_with(Default::default);
+            sum.overlapped_steps += auto.overlapped_steps;
+            sum.stale_trees += auto.stale_trees;
+        }
     }
     if total.rounds > 0 {
         total.mean_accepted_length /= total.rounds as f64;
@@ -127,6 +132,29 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} oracle, auto"))
                 .await;
         assert!(auto.rounds > 0, "auto never drafted with an oracle drafter");
+        drop((verifier, drafter));
+
+        // A drafter slower than a greedy step: auto steps while each tree is drafted, then
+        // verifies the subtree below the tokens those steps committed.
+        let drafter = ServiceProcess::drafter(&[
+            "--kind",
+            "test-oracle",
+            "--oracle-file",
+            oracle_file.to_str().unwrap(),
+            "--vocab-size",
+            "1024",
+            "--stall-every",
+            "1",
+            "--stall-ms",
+            "4",
+        ]);
+        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+        let what = format!("{family} slow oracle, auto");
+        let slow = run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await;
+        let overlap = slow.auto.unwrap_or_default();
+        assert!(overlap.overlapped_steps > 0, "{what}: no greedy step while drafting: {overlap:?}");
+        assert!(slow.rounds > 0, "{what}: no subtree verified: {overlap:?}");
+        assert!(slow.mean_accepted_length > 2.0, "{what}: tau {}", slow.mean_accepted_length);
         drop((verifier, drafter));
 
         let drafter = ServiceProcess::drafter(&[

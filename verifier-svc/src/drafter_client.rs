@@ -538,7 +538,7 @@ impl RemoteProvider {
 
 impl DraftProvider for RemoteProvider {
     fn open(&mut self) -> Option<Box<dyn DraftSession>> {
-        let (mut client, info) = self.drafter.client()?;
+        let (client, info) = self.drafter.client()?;
         if info.tap_layers != self.info.tap_layers
             || info.handshake.block_size != self.info.handshake.block_size
         {
@@ -551,13 +551,17 @@ impl DraftProvider for RemoteProvider {
         let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
         // The drafter's spans join this request's trace.
         glance_telemetry::inject_trace_context(&tracing::Span::current(), request.metadata_mut());
-        // The stream opens in the background (overlapping the target's prefill); the first round
-        // awaits it. Its messages queue in `outbound` meanwhile.
-        let opening = self.drafter.runtime.spawn(async move { client.draft(request).await });
+        // The stream opens in the background (overlapping the target's prefill) and a task
+        // collects its replies, stamped with their arrival: the verifier looks for a tree when it
+        // suits it (between greedy steps), and the round trip is still measured to the arrival.
+        let (replies, inbox) = mpsc::channel(4);
+        let reader = self.drafter.runtime.spawn(read_replies(client, request, replies));
         Some(Box::new(RemoteSession {
             drafter: Arc::clone(&self.drafter),
             outbound,
-            inbound: Inbound::Opening(opening),
+            inbox,
+            reader,
+            sent: None,
             context_len: 0,
             bytes_sent: 0,
             wire_kind: info.wire_kind,
@@ -573,45 +577,51 @@ impl DraftProvider for RemoteProvider {
     }
 }
 
+/// A reply of the draft stream and when it arrived.
+type Arrival = (Instant, Result<pb::DraftResponse, tonic::Status>);
+
+/// Opens the draft stream and forwards its replies until it ends or the session is dropped.
+async fn read_replies(
+    mut client: DrafterClient<Channel>,
+    request: tonic::Request<tokio_stream::wrappers::ReceiverStream<pb::DraftRequest>>,
+    replies: mpsc::Sender<Arrival>,
+) {
+    let mut stream = match client.draft(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => {
+            let _ = replies.send((Instant::now(), Err(status))).await;
+            return;
+        }
+    };
+    loop {
+        let reply = match stream.message().await {
+            Ok(Some(response)) => Ok(response),
+            Ok(None) => Err(tonic::Status::unavailable("stream ended")),
+            Err(status) => Err(status),
+        };
+        let ended = reply.is_err();
+        if replies.send((Instant::now(), reply)).await.is_err() || ended {
+            return;
+        }
+    }
+}
+
 struct RemoteSession {
     drafter: Arc<RemoteDrafter>,
     outbound: mpsc::Sender<pb::DraftRequest>,
-    inbound: Inbound,
+    /// Replies as they arrive (see [`read_replies`]).
+    inbox: mpsc::Receiver<Arrival>,
+    reader: tokio::task::JoinHandle<()>,
+    /// When the round in flight was sent.
+    sent: Option<Instant>,
     context_len: usize,
     bytes_sent: u64,
     wire_kind: Kind,
 }
 
-/// The drafter's reply stream: still opening (the drafter has not answered the stream's headers
-/// yet), or open.
-enum Inbound {
-    Opening(
-        tokio::task::JoinHandle<Result<tonic::Response<tonic::Streaming<pb::DraftResponse>>, tonic::Status>>,
-    ),
-    Open(Box<tonic::Streaming<pb::DraftResponse>>),
-}
-
-impl Inbound {
-    /// The open stream, once the drafter has answered its opening.
-    async fn ready(&mut self) -> Result<&mut tonic::Streaming<pb::DraftResponse>, tonic::Status> {
-        if let Inbound::Opening(opening) = self {
-            let opened = opening
-                .await
-                .map_err(|e| tonic::Status::unavailable(format!("opening the draft stream: {e}")))?;
-            *self = Inbound::Open(Box::new(opened?.into_inner()));
-        }
-        match self {
-            Inbound::Open(stream) => Ok(stream),
-            Inbound::Opening(_) => unreachable!("replaced above"),
-        }
-    }
-}
-
 impl Drop for RemoteSession {
     fn drop(&mut self) {
-        if let Inbound::Opening(opening) = &self.inbound {
-            opening.abort();
-        }
+        self.reader.abort();
     }
 }
 
@@ -648,7 +658,7 @@ impl DraftSession for RemoteSession {
         self.context_len
     }
 
-    fn draft(&mut self, round: DraftRound) -> Result<Drafted, DraftFailure> {
+    fn send(&mut self, round: DraftRound) -> Result<(), DraftFailure> {
         let mut messages: Vec<pb::DraftRequest> = self
             .context_messages(&round)
             .into_iter()
@@ -662,37 +672,74 @@ impl DraftSession for RemoteSession {
                 branch_k: round.branch_k as u32,
             });
         }
-        let sent: u64 = messages.iter().map(|m| prost::Message::encoded_len(m) as u64).sum();
-        let deadline = self.drafter.round_deadline;
-        let outbound = self.outbound.clone();
-        let inbound = &mut self.inbound;
-        let reply = self.drafter.runtime.block_on(async move {
+        self.bytes_sent += messages.iter().map(|m| prost::Message::encoded_len(m) as u64).sum::<u64>();
+        let sent = Instant::now();
+        let (outbound, deadline) = (self.outbound.clone(), self.drafter.round_deadline);
+        // The queue only fills while the stream is back-pressured: bounded by the round deadline.
+        let queued = self.drafter.runtime.block_on(async move {
             tokio::time::timeout(deadline, async move {
                 for message in messages {
-                    outbound.send(message).await.map_err(|_| tonic::Status::unavailable("stream closed"))?;
+                    outbound.send(message).await.map_err(|_| ())?;
                 }
-                inbound
-                    .ready()
-                    .await?
-                    .message()
-                    .await?
-                    .ok_or_else(|| tonic::Status::unavailable("stream ended"))
+                Ok::<(), ()>(())
             })
             .await
         });
-        self.bytes_sent += sent;
+        match queued {
+            Ok(Ok(())) => {}
+            Ok(Err(())) => return Err(DraftFailure::Unavailable("draft stream closed".into())),
+            Err(_) => return Err(DraftFailure::Timeout),
+        }
+        self.sent = Some(sent);
+        self.context_len = round.root_position;
+        Ok(())
+    }
+
+    fn receive(&mut self, wait: Duration) -> Result<Option<Drafted>, DraftFailure> {
+        let sent = self.sent.ok_or_else(|| DraftFailure::Unavailable("no round in flight".into()))?;
+        let deadline = sent + self.drafter.round_deadline;
+        let arrival = match self.inbox.try_recv() {
+            Ok(arrival) => arrival,
+            Err(mpsc::error::TryRecvError::Disconnected) => {
+                return Err(DraftFailure::Unavailable("draft stream ended".into()))
+            }
+            Err(mpsc::error::TryRecvError::Empty) => {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(DraftFailure::Timeout);
+                }
+                if wait.is_zero() {
+                    return Ok(None);
+                }
+                let limit = (deadline - now).min(wait);
+                let inbox = &mut self.inbox;
+                let received =
+                    self.drafter.runtime.block_on(async { tokio::time::timeout(limit, inbox.recv()).await });
+                match received {
+                    Ok(Some(arrival)) => arrival,
+                    Ok(None) => return Err(DraftFailure::Unavailable("draft stream ended".into())),
+                    Err(_) if Instant::now() >= deadline => return Err(DraftFailure::Timeout),
+                    Err(_) => return Ok(None),
+                }
+            }
+        };
+        let (arrived, reply) = arrival;
         let response = match reply {
-            Ok(Ok(response)) => response,
-            Ok(Err(status)) => {
+            Ok(response) => response,
+            Err(status) => {
                 self.drafter.stream_failed(&status);
                 return Err(DraftFailure::Unavailable(status.message().to_string()));
             }
-            // A late answer would desynchronize the stream: this session is over.
-            Err(_) => return Err(DraftFailure::Timeout),
         };
-        self.context_len = round.root_position;
+        // An answer after the deadline is refused like a missing one, so a slow drafter cannot
+        // hold rounds back by answering just late.
+        if arrived > deadline {
+            return Err(DraftFailure::Timeout);
+        }
+        self.sent = None;
         let draft_time = Duration::from_secs_f64(response.draft_ms.max(0.0) / 1e3);
-        Ok(Drafted { tree: codec::response_tree(response), draft_time })
+        let round_trip = arrived.saturating_duration_since(sent);
+        Ok(Some(Drafted { tree: codec::response_tree(response), draft_time, round_trip }))
     }
 
     fn bytes_sent(&self) -> u64 {

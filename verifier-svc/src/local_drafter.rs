@@ -2,7 +2,7 @@
 //! lookup needs no weights and no network).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use glance_spec::session::{DraftEngine, DraftError, RoundInput, Session};
 use glance_spec::tree::TokenId;
@@ -28,7 +28,7 @@ impl LocalProvider {
 
 impl DraftProvider for LocalProvider {
     fn open(&mut self) -> Option<Box<dyn DraftSession>> {
-        Some(Box::new(LocalSession { session: self.engine.new_session(), context_len: 0 }))
+        Some(Box::new(LocalSession { session: self.engine.new_session(), context_len: 0, ready: None }))
     }
 
     fn tap_layers(&self) -> &[usize] {
@@ -40,16 +40,14 @@ impl DraftProvider for LocalProvider {
     }
 }
 
+/// Drafts in the verifier's own thread: `send` computes the tree at once, `receive` hands it over.
 struct LocalSession {
     session: Box<dyn Session>,
     context_len: usize,
+    ready: Option<Result<Drafted, DraftFailure>>,
 }
 
-impl DraftSession for LocalSession {
-    fn context_len(&self) -> usize {
-        self.context_len
-    }
-
+impl LocalSession {
     fn draft(&mut self, round: DraftRound) -> Result<Drafted, DraftFailure> {
         let started = Instant::now();
         let tokens: Vec<TokenId> = round.tokens.iter().map(|&t| t as TokenId).collect();
@@ -57,7 +55,6 @@ impl DraftSession for LocalSession {
         self.session
             .append_context(round.first_position, &tokens, round.states.map(|s| s.shallow_clone()))
             .map_err(failed)?;
-        self.context_len = round.root_position;
         let input = RoundInput {
             root_token: round.root_token as TokenId,
             root_position: round.root_position,
@@ -65,7 +62,25 @@ impl DraftSession for LocalSession {
             branch_k: round.branch_k,
         };
         let tree = self.session.draft(&input).map_err(failed)?;
-        Ok(Drafted { tree, draft_time: started.elapsed() })
+        let elapsed = started.elapsed();
+        Ok(Drafted { tree, draft_time: elapsed, round_trip: elapsed })
+    }
+}
+
+impl DraftSession for LocalSession {
+    fn context_len(&self) -> usize {
+        self.context_len
+    }
+
+    fn send(&mut self, round: DraftRound) -> Result<(), DraftFailure> {
+        self.context_len = round.root_position;
+        let drafted = self.draft(round);
+        self.ready = Some(drafted);
+        Ok(())
+    }
+
+    fn receive(&mut self, _wait: Duration) -> Result<Option<Drafted>, DraftFailure> {
+        self.ready.take().ok_or_else(|| DraftFailure::Unavailable("no round in flight".into()))?.map(Some)
     }
 
     fn bytes_sent(&self) -> u64 {

@@ -28,6 +28,10 @@ pub const SPEC_FALLBACK_ROUNDS: &str = "glance_spec_decode_fallback_rounds";
 pub const SPEC_REJECTED_TREES: &str = "glance_spec_decode_rejected_trees";
 /// Auto mode: rounds taken as greedy steps without asking the drafter.
 pub const AUTO_GREEDY_STEPS: &str = "glance_auto_greedy_steps";
+/// Auto mode: greedy steps taken while the drafter was drafting (its time hidden behind them).
+pub const AUTO_OVERLAPPED_STEPS: &str = "glance_auto_overlapped_steps";
+/// Auto mode: trees that arrived after the overlapped steps had left them.
+pub const AUTO_STALE_TREES: &str = "glance_auto_stale_trees";
 /// Auto mode: drafted trees of which the policy verified nothing.
 pub const AUTO_DECLINED_TREES: &str = "glance_auto_declined_trees";
 /// Auto mode: tree nodes verified, over the verified rounds (`glance_spec_decode_num_drafts`
@@ -74,6 +78,14 @@ pub fn describe() {
     describe_counter!(SPEC_REJECTED_TREES, "Trees refused as malformed.");
     describe_counter!(AUTO_GREEDY_STEPS, "Auto mode: greedy steps taken without asking the drafter.");
     describe_counter!(AUTO_DECLINED_TREES, "Auto mode: drafted trees of which nothing was verified.");
+    describe_counter!(
+        AUTO_OVERLAPPED_STEPS,
+        "Auto mode: greedy steps taken while the drafter was drafting a tree."
+    );
+    describe_counter!(
+        AUTO_STALE_TREES,
+        "Auto mode: trees that arrived after the overlapped greedy steps had left them."
+    );
     describe_counter!(AUTO_VERIFIED_NODES, "Auto mode: tree nodes verified.");
     describe_gauge!(
         AUTO_CALIBRATION_ERROR,

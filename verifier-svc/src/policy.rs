@@ -35,6 +35,34 @@ impl Ewma {
     }
 }
 
+/// Seconds from sending a round to its tree arriving (drafter compute and hop), as a cost per
+/// round plus a cost per context row: a request's first round carries the whole prompt's tap
+/// states, later ones a few rows, and the step-while-drafting choice needs both.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DraftCost {
+    /// Rounds of at most `FEW_ROWS` context rows.
+    per_round: Ewma,
+    /// Seconds per context row beyond a small round's, from the larger rounds.
+    per_row: Ewma,
+}
+
+impl DraftCost {
+    const FEW_ROWS: usize = 32;
+
+    pub fn observe(&mut self, rows: usize, secs: f64) {
+        match self.per_round.get() {
+            Some(base) if rows > Self::FEW_ROWS => self.per_row.observe((secs - base).max(0.0) / rows as f64),
+            _ => self.per_round.observe(secs),
+        }
+    }
+
+    pub fn estimate(&self, rows: usize) -> Option<f64> {
+        let base = self.per_round.get()?;
+        let per_row = if rows > Self::FEW_ROWS { self.per_row.get().unwrap_or(0.0) } else { 0.0 };
+        Some(base + per_row * rows as f64)
+    }
+}
+
 /// Seconds one target pass over `rows` new rows takes, by power-of-two bucket of rows (1, 2, 4, …).
 /// Estimates come from the measured buckets made non-decreasing in rows (pool-adjacent-violators:
 /// a noisy bucket never makes a larger pass look cheaper than a smaller one), interpolated between
@@ -198,6 +226,11 @@ pub struct PolicyStats {
     pub verified_nodes: usize,
     /// Σ |predicted − observed| committed tokens over verified rounds.
     pub abs_error: f64,
+    /// Greedy steps taken while the drafter was working on a tree (no time lost to waiting).
+    pub overlapped_steps: usize,
+    /// Trees that arrived after those steps had left them (their path did not contain the
+    /// committed tokens), so nothing of them was verified.
+    pub stale_trees: usize,
 }
 
 impl PolicyStats {
@@ -231,13 +264,16 @@ pub struct RoundPolicy {
     /// Greedy step (one row) and verify pass costs, seconds.
     pub verify: VerifyCost,
     /// Drafter compute and hop per drafted round, seconds.
-    pub draft: Ewma,
+    pub draft: DraftCost,
     pub calibration: Calibration,
     pub law: OnlineLaw,
     /// Committed tokens per drafted, verified round, when the law has no fit yet.
     recent_commit: Ewma,
     /// Nodes verified per round, for the pre-draft estimate.
     recent_nodes: Ewma,
+    /// Whether a tree's first node was accepted (1) or not (0, a stale tree included): the
+    /// chance a greedy step taken while drafting leaves the tree.
+    first_accepted: Ewma,
     /// Greedy steps left before the next probe, and the current back-off exponent.
     wait: u32,
     streak: u32,
@@ -280,8 +316,12 @@ impl RoundPolicy {
     }
 
     /// Before a round: ask the drafter, or take a greedy step? `root_entropy` is the target's at
-    /// the pending root (nats), when known; `horizon` the deepest a tree may go.
-    pub fn should_draft(&mut self, root_entropy: Option<f64>, horizon: usize) -> bool {
+    /// the pending root (nats), when known; `horizon` the deepest a tree may go; `context_rows`
+    /// the rows the request will carry. The drafting overlaps greedy steps (see
+    /// [`RoundPolicy::step_while_drafting`]), so a round is worth asking for when what the tree
+    /// adds beyond those steps beats greedy decoding over the time the steps cannot hide (the
+    /// idle rest of the draft) plus the verify pass.
+    pub fn should_draft(&mut self, root_entropy: Option<f64>, horizon: usize, context_rows: usize) -> bool {
         if self.wait > 0 {
             self.wait -= 1;
             self.stats.greedy_steps += 1;
@@ -292,7 +332,7 @@ impl RoundPolicy {
         if self.explore {
             return true;
         }
-        let (Some(step), Some(draft)) = (self.verify.estimate(1), self.draft.get()) else {
+        let (Some(step), Some(draft)) = (self.verify.estimate(1), self.draft.estimate(context_rows)) else {
             return true; // nothing measured yet: probe
         };
         let expected = root_entropy
@@ -301,12 +341,62 @@ impl RoundPolicy {
             .unwrap_or(f64::INFINITY);
         let nodes = self.recent_nodes.get().unwrap_or(1.0).round().max(1.0) as usize;
         let Some(verify) = self.verify.estimate(nodes + 1) else { return true };
-        if expected / (draft + verify) >= 1.0 / step {
+        let (steps, idle) = self.overlap(draft, step);
+        if (expected - steps as f64) / (idle + verify) >= 1.0 / step {
             return true;
         }
         self.back_off();
         self.stats.greedy_steps += 1;
         false
+    }
+
+    /// While a tree is being drafted (sent `elapsed` seconds ago with `context_rows` rows): take a
+    /// greedy step rather than wait?
+    pub fn step_while_drafting(&self, context_rows: usize, elapsed: f64) -> bool {
+        match (self.verify.estimate(1), self.draft.estimate(context_rows)) {
+            (Some(step), Some(draft)) => self.steps_at(draft - elapsed, step),
+            // Nothing measured yet: a step is the safe guess.
+            _ => true,
+        }
+    }
+
+    /// Whether to step with `remaining` seconds of draft time expected. A step whose token the
+    /// tree would have accepted first anyway loses only the time it runs past the tree's arrival
+    /// (nothing when at least a step remains); one whose token the tree lacks saves the wait and
+    /// the verify pass that would have committed just the bonus. So step when at least a step
+    /// remains, else when (1 − a)·(wait + verify − step) > a·(step − wait), with `a` the recent
+    /// chance that a tree's first node is accepted.
+    fn steps_at(&self, remaining: f64, step: f64) -> bool {
+        let wait = remaining.max(0.0);
+        if wait >= step {
+            return true;
+        }
+        let a = self.first_accepted.get().unwrap_or(0.5);
+        let nodes = self.recent_nodes.get().unwrap_or(1.0).round().max(1.0) as usize;
+        let verify = self.verify.estimate(nodes + 1).unwrap_or(step);
+        (1.0 - a) * (wait + verify - step) > a * (step - wait)
+    }
+
+    /// How a draft of `draft` seconds overlaps greedy steps of `step` seconds under
+    /// [`RoundPolicy::step_while_drafting`]: the steps taken before the tree arrives (a tree that
+    /// has arrived is taken, not stepped past) and the idle rest.
+    fn overlap(&self, draft: f64, step: f64) -> (usize, f64) {
+        let mut steps = 0;
+        while draft - steps as f64 * step > 0.0 && self.steps_at(draft - steps as f64 * step, step) {
+            steps += 1;
+        }
+        (steps, (draft - steps as f64 * step).max(0.0))
+    }
+
+    /// A greedy step taken while the drafter worked.
+    pub fn observe_overlapped_step(&mut self) {
+        self.stats.overlapped_steps += 1;
+    }
+
+    /// A tree that arrived after the overlapped steps had left it, or had passed its whole depth.
+    pub fn observe_stale_tree(&mut self) {
+        self.stats.stale_trees += 1;
+        self.first_accepted.observe(0.0);
     }
 
     /// After the drafter answered: how many of the tree's first nodes to verify (0: none, the round
@@ -357,9 +447,10 @@ impl RoundPolicy {
         best
     }
 
-    /// A drafted round's drafter-side time (compute + hop), seconds.
-    pub fn observe_draft(&mut self, secs: f64) {
-        self.draft.observe(secs);
+    /// A drafted round's drafter-side time (compute + hop, from sending to the tree's arrival),
+    /// seconds, for a round of `context_rows` rows.
+    pub fn observe_draft(&mut self, context_rows: usize, secs: f64) {
+        self.draft.observe(context_rows, secs);
     }
 
     /// A verify pass (or greedy step) over `rows` rows took `secs`.
@@ -367,8 +458,9 @@ impl RoundPolicy {
         self.verify.observe(rows, secs);
     }
 
-    /// A verified round: the tree, how many of its nodes were verified, the accepted path, and the
-    /// target's entropy at the round's root.
+    /// A verified round: the tree, how many of its nodes were verified, the accepted path, the
+    /// target's entropy at the round's root, and how long the verifier sat idle waiting for the
+    /// tree (the draft time the overlapped greedy steps did not hide).
     pub fn observe_round(
         &mut self,
         tree: &Tree,
@@ -376,6 +468,7 @@ impl RoundPolicy {
         path: &[usize],
         root_entropy: Option<f64>,
         horizon: usize,
+        idle: f64,
     ) {
         self.calibration.observe(tree, verified, path);
         let committed = (path.len() + 1) as f64;
@@ -386,11 +479,12 @@ impl RoundPolicy {
         self.stats.verified_nodes += verified;
         self.recent_commit.observe(committed);
         self.recent_nodes.observe(verified as f64);
+        self.first_accepted.observe(if path.is_empty() { 0.0 } else { 1.0 });
         if let Some(h) = root_entropy {
             self.law.observe(h, path.len(), horizon);
         }
-        let paid = match (self.verify.estimate(1), self.draft.get(), self.verify.estimate(verified + 1)) {
-            (Some(step), Some(draft), Some(verify)) => committed / (draft + verify) >= 1.0 / step,
+        let paid = match (self.verify.estimate(1), self.verify.estimate(verified + 1)) {
+            (Some(step), Some(verify)) => committed / (idle + verify) >= 1.0 / step,
             _ => true,
         };
         if paid {
@@ -433,17 +527,17 @@ mod tests {
     /// token while the target accepts the first `accepted` nodes of every verified prefix.
     fn simulate(policy: &mut RoundPolicy, rounds: usize, len: usize, claimed: f64, accepted: usize) {
         for _ in 0..rounds {
-            if !policy.should_draft(None, len) {
+            if !policy.should_draft(None, len, 1) {
                 continue;
             }
-            policy.observe_draft(0.001);
+            policy.observe_draft(1, 0.001);
             let tree = chain(len, claimed);
             let n = policy.choose_nodes(&tree);
             if n == 0 {
                 continue;
             }
             let path: Vec<usize> = (0..accepted.min(n)).collect();
-            policy.observe_round(&tree, n, &path, None, len);
+            policy.observe_round(&tree, n, &path, None, len, 0.0);
         }
     }
 
@@ -467,6 +561,31 @@ mod tests {
         let curve: Vec<f64> = [1, 2, 3, 4, 6, 8].iter().map(|&r| noisy.estimate(r).unwrap()).collect();
         assert!(curve.windows(2).all(|w| w[0] <= w[1]), "{curve:?}");
         assert_eq!(noisy.estimate(2), Some(4.0));
+    }
+
+    #[test]
+    fn drafting_overlaps_greedy_steps_while_a_step_remains_and_beyond_for_a_poor_drafter() {
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        assert!(policy.step_while_drafting(1, 0.0), "nothing measured: step");
+        policy.observe_draft(4, 0.0035);
+        assert!(policy.step_while_drafting(4, 0.0));
+        assert!(policy.step_while_drafting(4, 0.0025), "a whole step remains");
+        // Less than a step remains: step only if the tree's first node is often wrong.
+        for _ in 0..20 {
+            policy.first_accepted.observe(1.0);
+        }
+        assert!(!policy.step_while_drafting(4, 0.0031));
+        assert_eq!(policy.overlap(0.0035, 0.001).0, 3);
+        for _ in 0..20 {
+            policy.first_accepted.observe(0.0);
+        }
+        assert!(policy.step_while_drafting(4, 0.0031));
+        // A prompt-sized first round: the per-row cost learnt from it makes the next one longer.
+        policy.observe_draft(104, 0.0135);
+        assert!((policy.draft.estimate(104).unwrap() - 0.0135).abs() < 1e-9);
+        assert!((policy.draft.estimate(4).unwrap() - 0.0035).abs() < 1e-9);
+        let (steps, idle) = policy.overlap(0.0135, 0.001);
+        assert!(steps >= 13 && idle < 0.0005, "{steps} steps, {idle} s idle");
     }
 
     #[test]

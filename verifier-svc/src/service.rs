@@ -429,6 +429,8 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
             declined_trees: p.declined_trees as u32,
             mean_verified_nodes: p.mean_nodes(),
             calibration_error: p.calibration_error(),
+            overlapped_steps: p.overlapped_steps as u32,
+            stale_trees: p.stale_trees as u32,
         }),
     })
 }

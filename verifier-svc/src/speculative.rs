@@ -4,7 +4,10 @@
 //! plus the bonus token, and compact the KV cache to it. The committed tokens are exactly the
 //! greedy ones. When no drafter answers, a round is a plain greedy step, and drafting resumes
 //! (with the whole missed context re-sent) as soon as a drafter is back. In auto mode the round
-//! policy (`crate::policy`) decides per round whether to draft and how much of the tree to verify.
+//! policy (`crate::policy`) decides per round whether to draft and how much of the tree to verify,
+//! and the verifier does not wait idle for a tree: it takes greedy steps while the drafter works
+//! (the two run on their own devices), then verifies the subtree below the tokens those steps
+//! committed (`Tree::descend`), so a slow or wrong draft costs no more than the steps it hid.
 
 use std::time::{Duration, Instant};
 
@@ -18,11 +21,13 @@ use tch::{Kind, Tensor};
 
 use crate::policy::{PolicyStats, RoundPolicy, VerifyCost};
 
-/// A drafter's answer to one round: the tree as sent (not yet trusted) and the drafter-side time.
+/// A drafter's answer to one round: the tree as sent (not yet trusted), the drafter-side time, and
+/// the round trip from sending the round to the tree's arrival.
 #[derive(Clone, Debug, Default)]
 pub struct Drafted {
     pub tree: Tree,
     pub draft_time: Duration,
+    pub round_trip: Duration,
 }
 
 /// What the verifier sends in one round.
@@ -47,13 +52,19 @@ pub enum DraftFailure {
     Timeout,
 }
 
-/// One generation's drafting session (a stream to drafter-svc, or an in-process drafter).
+/// One generation's drafting session (a stream to drafter-svc, or an in-process drafter). A round
+/// is sent, and its tree collected later, so that the verifier can take greedy steps while the
+/// drafter works; at most one round is in flight.
 pub trait DraftSession {
-    /// Context positions the drafter already holds; the next round sends from here on.
+    /// Context positions the drafter holds or has been sent; the next round sends from here on.
     fn context_len(&self) -> usize;
-    /// One round: new context rows plus the root, answered with a tree. Wire bytes sent are
-    /// reported through `bytes_sent`.
-    fn draft(&mut self, round: DraftRound) -> Result<Drafted, DraftFailure>;
+    /// Sends one round: new context rows plus the root. Wire bytes sent are reported through
+    /// `bytes_sent`.
+    fn send(&mut self, round: DraftRound) -> Result<(), DraftFailure>;
+    /// The tree of the round in flight, waiting at most `wait` for it (`Duration::ZERO` only
+    /// looks): `Ok(None)` while it has not arrived, `Err(Timeout)` once the round's deadline has
+    /// passed without it (a late answer would desynchronize the stream: the session is over).
+    fn receive(&mut self, wait: Duration) -> Result<Option<Drafted>, DraftFailure>;
     /// Serialized bytes sent so far (for the stats).
     fn bytes_sent(&self) -> u64;
 }
@@ -244,38 +255,82 @@ pub fn speculative_generate(
     let mut committer = Committer { tokens: Vec::new(), params, on_token, finish: None, prompt_len, limit };
     let mut retry = Retry::default();
     let mut alive = committer.commit(root);
+    // The round sent to the drafter whose tree has not been collected yet.
+    let mut in_flight: Option<InFlight> = None;
+    // How long the verifier last sat idle waiting for a tree.
+    let mut idle = Duration::ZERO;
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!("round", position = start).entered();
-        // True when the policy, not a failure, makes this round a greedy step (counted as its
-        // greedy step or declined tree, not as a fallback round).
-        let mut declined = false;
-        let ask = session.is_some()
-            && policy.as_deref_mut().is_none_or(|p| {
-                declined = !p.should_draft(root_entropy, max_depth);
-                !declined
-            });
-        let mut round = None;
-        if let (true, Some(s)) = (ask, session.as_mut()) {
-            match request_tree(s.as_mut(), &history, root, start, spec, &mut stats) {
-                Some((mut tree, drafter_time)) => {
-                    if let Some(p) = policy.as_deref_mut() {
-                        p.observe_draft(drafter_time.as_secs_f64());
-                    }
-                    match (valid(&tree, limits, &mut stats), policy.as_deref_mut()) {
-                        (false, _) => {}
-                        (true, None) => round = Some(tree),
-                        (true, Some(p)) => {
-                            tree.truncate(p.choose_nodes(&tree));
-                            declined = tree.is_empty();
-                            round = (!declined).then_some(tree);
+        // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
+        let mut greedy = Greedy::NoDrafter;
+        if in_flight.is_none() {
+            if let Some(s) = session.as_mut() {
+                let rows = history.len - s.context_len();
+                if policy.as_deref_mut().is_none_or(|p| p.should_draft(root_entropy, max_depth, rows)) {
+                    match send_round(s.as_mut(), &history, root, start, spec) {
+                        Ok(()) => {
+                            in_flight = Some(InFlight {
+                                root_position: start,
+                                context_rows: rows,
+                                sent: Instant::now(),
+                            })
                         }
+                        Err(e) => drop_session(&mut session, &mut retry, &mut stats, e),
+                    }
+                } else {
+                    greedy = Greedy::Declined;
+                }
+            }
+        }
+        let mut round = None;
+        if let (Some(flight), Some(s)) = (in_flight.as_ref(), session.as_mut()) {
+            // Auto takes greedy steps while the drafter works; the fixed modes wait for the tree.
+            let overlap = policy.as_deref().is_some_and(|p| {
+                p.step_while_drafting(flight.context_rows, flight.sent.elapsed().as_secs_f64())
+            });
+            let waited = Instant::now();
+            let reply = {
+                let _wait = (!overlap).then(|| tracing::info_span!("draft_wait").entered());
+                s.receive(if overlap { Duration::ZERO } else { Duration::MAX })
+            };
+            match reply {
+                Ok(None) => {
+                    greedy = Greedy::WhileDrafting;
+                    if let Some(p) = policy.as_deref_mut() {
+                        p.observe_overlapped_step();
                     }
                 }
-                None => {
-                    // A failed session is dropped; a fresh one is tried after a few greedy rounds.
-                    session = None;
-                    retry.failed();
+                Ok(Some(drafted)) => {
+                    idle = waited.elapsed();
+                    let flight = in_flight.take().expect("a round in flight");
+                    record_draft(&drafted, &mut stats);
+                    if let Some(p) = policy.as_deref_mut() {
+                        p.observe_draft(flight.context_rows, drafted.round_trip.as_secs_f64());
+                    }
+                    if valid(&drafted.tree, limits, &mut stats) {
+                        greedy = Greedy::Declined;
+                        let path = committed_since(&history, flight.root_position, root);
+                        // The subtree below the tokens committed while it was drafted.
+                        let below =
+                            if path.is_empty() { Some(drafted.tree) } else { drafted.tree.descend(&path) };
+                        let below = below.filter(|t| !t.is_empty());
+                        round = match (below, policy.as_deref_mut()) {
+                            (None, Some(p)) => {
+                                p.observe_stale_tree();
+                                None
+                            }
+                            (tree, None) => tree,
+                            (Some(mut tree), Some(p)) => {
+                                tree.truncate(p.choose_nodes(&tree));
+                                (!tree.is_empty()).then_some(tree)
+                            }
+                        };
+                    }
+                }
+                Err(e) => {
+                    in_flight = None;
+                    drop_session(&mut session, &mut retry, &mut stats, e);
                 }
             }
         }
@@ -305,7 +360,8 @@ pub fn speculative_generate(
                     stats.round_logs.push(RoundLog { root_entropy, accepted, tree_size: tree.tokens.len() });
                 }
                 if let Some(p) = policy.as_deref_mut() {
-                    p.observe_round(&tree, tree.len(), &verified.path, root_entropy, max_depth);
+                    let idle = idle.as_secs_f64();
+                    p.observe_round(&tree, tree.len(), &verified.path, root_entropy, max_depth, idle);
                 }
                 stats.rounds += 1;
                 stats.committed_in_rounds += accepted + 1;
@@ -315,7 +371,7 @@ pub fn speculative_generate(
                 (verified.committed, verified.states, verified.next_entropy)
             }
             None => {
-                if !declined {
+                if greedy == Greedy::NoDrafter {
                     stats.fallback_rounds += 1;
                 }
                 let with_entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
@@ -457,16 +513,33 @@ impl Retry {
     }
 }
 
-/// Sends the context the session lacks plus the root; the tree and the whole drafter-side time
-/// (compute and hop), or `None` when the drafter failed.
-fn request_tree(
+/// A round sent to the drafter whose tree has not been collected yet.
+struct InFlight {
+    /// Stream position of the round's root: greedy steps taken since committed the tokens after it.
+    root_position: usize,
+    context_rows: usize,
+    sent: Instant,
+}
+
+/// Why a round is a plain greedy step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Greedy {
+    /// No drafter answered (a fallback round).
+    NoDrafter,
+    /// The policy did not ask for a tree, or did not verify the one it got.
+    Declined,
+    /// The drafter is still working on a tree (auto steps meanwhile).
+    WhileDrafting,
+}
+
+/// Sends the drafter the context it lacks plus the root at `start`.
+fn send_round(
     session: &mut dyn DraftSession,
     history: &History,
     root: i64,
     start: usize,
     spec: SpecParams,
-    stats: &mut SpecStats,
-) -> Option<(Tree, Duration)> {
+) -> Result<(), DraftFailure> {
     let from = session.context_len();
     let states = history.states_from(from);
     let round = DraftRound {
@@ -478,24 +551,43 @@ fn request_tree(
         budget: spec.budget,
         branch_k: spec.branch_k,
     };
-    let asked = Instant::now();
     let _span =
         tracing::info_span!("draft", context_rows = history.len - from, budget = spec.budget).entered();
-    match session.draft(round) {
-        Ok(Drafted { tree, draft_time }) => {
-            let total = asked.elapsed();
-            metrics::histogram!(crate::metrics::DRAFTER_ROUND_LATENCY).record(total.as_secs_f64());
-            stats.draft_time += draft_time;
-            stats.hop_time += total.saturating_sub(draft_time);
-            Some((tree, total))
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "drafting failed; decoding this round without a drafter");
-            stats.hop_time += asked.elapsed();
-            stats.bytes_sent += session.bytes_sent();
-            None
-        }
+    session.send(round)
+}
+
+/// A tree's drafter-side time and hop, in the stats and the metrics.
+fn record_draft(drafted: &Drafted, stats: &mut SpecStats) {
+    metrics::histogram!(crate::metrics::DRAFTER_ROUND_LATENCY).record(drafted.round_trip.as_secs_f64());
+    stats.draft_time += drafted.draft_time;
+    stats.hop_time += drafted.round_trip.saturating_sub(drafted.draft_time);
+}
+
+/// A failed session is dropped; a fresh one is tried after a few greedy rounds.
+fn drop_session(
+    session: &mut Option<Box<dyn DraftSession>>,
+    retry: &mut Retry,
+    stats: &mut SpecStats,
+    error: DraftFailure,
+) {
+    tracing::warn!(error = %error, "drafting failed; decoding without a drafter for now");
+    if let Some(s) = session.take() {
+        stats.bytes_sent += s.bytes_sent();
     }
+    retry.failed();
+}
+
+/// The tokens committed after the position `from` up to the pending `root`: the path from a
+/// tree drafted at `from` to the current root.
+fn committed_since(history: &History, from: usize, root: i64) -> Vec<TokenId> {
+    if history.len <= from {
+        return Vec::new();
+    }
+    history.tokens[from + 1..history.len]
+        .iter()
+        .chain(std::iter::once(&root))
+        .map(|&t| t as TokenId)
+        .collect()
 }
 
 /// The additive tree mask of a request's verify passes, (1+N, prefix+1+N) per round: every row

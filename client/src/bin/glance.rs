@@ -175,8 +175,13 @@ fn print_summary(response: &pb::GenerateResponse, started: Instant) {
         );
         if let Some(auto) = &s.auto {
             println!(
-                "-- auto: {} greedy steps, {} trees declined, {:.1} nodes verified per round, calibration error {:.2} tokens/round",
-                auto.greedy_steps, auto.declined_trees, auto.mean_verified_nodes, auto.calibration_error
+                "-- auto: {} greedy steps ({} while drafting), {} trees declined, {} stale, {:.1} nodes verified per round, calibration error {:.2} tokens/round",
+                auto.greedy_steps + auto.overlapped_steps,
+                auto.overlapped_steps,
+                auto.declined_trees,
+                auto.stale_trees,
+                auto.mean_verified_nodes,
+                auto.calibration_error
             );
         }
     }

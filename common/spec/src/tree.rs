@@ -142,6 +142,39 @@ impl Tree {
         }
     }
 
+    /// The subtree below the node reached from the root by `path` (a token per depth), as a tree
+    /// of its own rooted at that node: its descendants in the same order (so a best-first tree
+    /// stays best-first and every prefix stays prefix-closed), depths shortened by the path's
+    /// length, log-probabilities conditional on the path. `None` when the tree has no such path.
+    /// This is a tree drafted at an earlier root, once greedy steps have committed `path` past it.
+    pub fn descend(&self, path: &[TokenId]) -> Option<Tree> {
+        let mut node: i32 = -1;
+        for &token in path {
+            let child = (0..self.len()).find(|&i| self.parents[i] == node && self.tokens[i] == token)?;
+            node = child as i32;
+        }
+        if node < 0 {
+            return Some(self.clone());
+        }
+        let (base_depth, base_log_prob) = (self.depths[node as usize], self.log_probs[node as usize]);
+        // New index of every kept node; the new root stands in for `node`.
+        let mut index: Vec<Option<i32>> = vec![None; self.len()];
+        let mut below = Tree::default();
+        for i in node as usize + 1..self.len() {
+            let parent = self.parents[i];
+            let new_parent =
+                if parent == node { Some(-1) } else { usize::try_from(parent).ok().and_then(|p| index[p]) };
+            if let Some(new_parent) = new_parent {
+                index[i] = Some(below.len() as i32);
+                below.tokens.push(self.tokens[i]);
+                below.parents.push(new_parent);
+                below.depths.push(self.depths[i] - base_depth);
+                below.log_probs.push(self.log_probs[i] - base_log_prob);
+            }
+        }
+        Some(below)
+    }
+
     /// Which rows of the packed `[root, node 0, node 1, …]` each row may attend to: itself and its
     /// ancestors, nothing else. Row-major (1+N)×(1+N). The tree must be valid.
     pub fn ancestor_visibility(&self) -> Vec<bool> {
@@ -299,6 +332,31 @@ pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descending_keeps_the_subtree_in_order_with_conditional_scores() {
+        // root ─ a(1) ─ c(3) ─ e(5)
+        //      │      └ d(4)
+        //      └ b(2) ─ f(6)
+        let mut tree = Tree::default();
+        let a = tree.push(1, -1, -0.1);
+        let b = tree.push(2, -1, -1.0);
+        let c = tree.push(3, a, -0.3);
+        let _d = tree.push(4, a, -1.5);
+        let _f = tree.push(6, b, -2.0);
+        let _e = tree.push(5, c, -0.6);
+        let below_a = tree.descend(&[1]).unwrap();
+        assert_eq!(shape(&below_a), vec![(3, 1, -1), (4, 1, -1), (5, 2, 0)]);
+        let scores: Vec<f64> = below_a.log_probs.iter().map(|p| (p * 10.0).round() / 10.0).collect();
+        assert_eq!(scores, vec![-0.2, -1.4, -0.5]);
+        assert!(below_a.validate(TreeLimits { vocab: 8, max_nodes: 8, max_depth: 2 }).is_ok());
+        assert_eq!(shape(&tree.descend(&[1, 3]).unwrap()), vec![(5, 1, -1)]);
+        assert!(tree.descend(&[1, 3, 5]).unwrap().is_empty());
+        assert_eq!(tree.descend(&[]).unwrap(), tree);
+        // Off the tree: the greedy steps left it.
+        assert_eq!(tree.descend(&[2, 3]), None);
+        assert_eq!(tree.descend(&[7]), None);
+    }
 
     fn marginals(ids: Vec<Vec<TokenId>>, log_probs: Vec<Vec<f32>>) -> Marginals {
         Marginals { ids, log_probs }

@@ -51,7 +51,8 @@ fn otlp_configured() -> bool {
         && std::env::var("OTEL_SDK_DISABLED").as_deref() != Ok("true")
 }
 
-/// Installs the global subscriber: `RUST_LOG`-filtered logs to stderr, plus OTLP span export when
+/// Installs the global subscriber: `RUST_LOG`-filtered logs to stderr (span timings too with
+/// `GLANCE_LOG_SPANS=1`), plus OTLP span export when
 /// an endpoint is set (`OTEL_*` variables honoured by the exporter; service name from
 /// `OTEL_SERVICE_NAME`, else `default_service`). Must run inside the tokio runtime.
 pub fn init(default_service: &str) -> Result<Telemetry, TelemetryError> {
@@ -60,7 +61,17 @@ pub fn init(default_service: &str) -> Result<Telemetry, TelemetryError> {
     // Logs and exported spans are filtered apart: quiet logs (RUST_LOG=warn) must not switch the
     // request/round spans off. `GLANCE_TRACE_FILTER` selects the exported spans (default info).
     let log_filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(log_filter);
+    // `GLANCE_LOG_SPANS=1` also logs every span's busy and idle time when it closes: where a
+    // request's time goes (prefill, each round's draft, verify and commit) without a collector.
+    let span_events = if std::env::var("GLANCE_LOG_SPANS").is_ok_and(|v| v == "1") {
+        tracing_subscriber::fmt::format::FmtSpan::CLOSE
+    } else {
+        tracing_subscriber::fmt::format::FmtSpan::NONE
+    };
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_span_events(span_events)
+        .with_filter(log_filter);
     let registry = tracing_subscriber::registry().with(fmt);
     if !otlp_configured() {
         registry.init();

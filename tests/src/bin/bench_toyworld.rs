@@ -47,7 +47,21 @@ struct Args {
     /// The entropy-law decile plot.
     #[arg(long, default_value = "bench-toyworld-law.png")]
     plot: PathBuf,
+    /// Off-distribution prompts: text-only requests the head never saw in training, each decoded
+    /// for this many tokens with `ignore_eos` (0 skips them).
+    #[arg(long, default_value_t = 200)]
+    text_tokens: u32,
 }
+
+/// Text-only prompts for the off-distribution check: the toy world always shows an image, so the
+/// head never saw a request without one (nor these words).
+const OFF_DISTRIBUTION_PROMPTS: &[&str] = &[
+    "Write a short poem about the sea.",
+    "Explain how a bicycle works.",
+    "List three colors and a fruit of each color.",
+    "What is the capital of France?",
+    "Tell me a joke about a cat and a dog.",
+];
 
 /// Totals of one (task, mode) cell.
 #[derive(Default, Clone)]
@@ -144,10 +158,65 @@ async fn main() {
         }
     }
     bar.finish_and_clear();
-    let report = report(&args, &modes, &cells);
+    let text = off_distribution(&args, &mut client, &modes).await;
+    let mut report = report(&args, &modes, &cells);
+    if let Some((json, md)) = text {
+        report.0["off_distribution"] = json;
+        report.1 += &md;
+    }
     std::fs::write(&args.json, serde_json::to_string_pretty(&report.0).unwrap()).expect("json");
     std::fs::write(&args.markdown, &report.1).expect("markdown");
     println!("{}", report.1);
+}
+
+/// The off-distribution check: text-only prompts, `ignore_eos`, every mode; per mode tau and the
+/// speed-up over autoregressive (ms/token pooled over the prompts), and whether every output was
+/// identical to the autoregressive one.
+async fn off_distribution(
+    args: &Args,
+    client: &mut GenerationClient<tonic::transport::Channel>,
+    modes: &[(String, pb::DecodingMode, u32)],
+) -> Option<(serde_json::Value, String)> {
+    if args.text_tokens == 0 {
+        return None;
+    }
+    let mut cells = vec![Cell::default(); modes.len()];
+    for prompt in OFF_DISTRIBUTION_PROMPTS {
+        let user = glance_input::ChatMessage {
+            role: "user".into(),
+            content: vec![glance_input::ContentPart::Text(prompt.to_string())],
+        };
+        let messages = glance_tests::suite::to_proto(&[user]);
+        let mut reference = None;
+        for (m, (_, mode, budget)) in modes.iter().enumerate() {
+            let request = pb::GenerateRequest {
+                messages: messages.clone(),
+                max_new_tokens: args.text_tokens,
+                stop: vec![],
+                decoding: Some(pb::DecodingOptions {
+                    mode: *mode as i32,
+                    tree_budget: *budget,
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
+            };
+            let r = client.generate(request).await.expect("generate").into_inner();
+            record(&mut cells[m], &r, reference.get_or_insert_with(|| r.token_ids.clone()));
+        }
+    }
+    let ar = cells[0].ms_per_token();
+    let mut md = format!(
+        "\nOff distribution ({} text-only prompts, {} tokens each, `ignore_eos`):\n\n| mode | tau | speed-up | lossless |\n|---|---|---|---|\n",
+        OFF_DISTRIBUTION_PROMPTS.len(),
+        args.text_tokens
+    );
+    let mut json_modes = Vec::new();
+    for ((name, _, _), c) in modes.iter().zip(&cells) {
+        let speedup = ar / c.ms_per_token();
+        md += &format!("| {name} | {:.2} | {speedup:.2}x | {}/{} |\n", c.tau(), c.lossless, c.prompts);
+        json_modes.push(json!({"mode": name, "tau": c.tau(), "speedup": speedup, "ms_per_token": c.ms_per_token(), "lossless": format!("{}/{}", c.lossless, c.prompts)}));
+    }
+    Some((json!({"prompts": OFF_DISTRIBUTION_PROMPTS, "tokens": args.text_tokens, "modes": json_modes}), md))
 }
 
 fn record(cell: &mut Cell, r: &pb::GenerateResponse, reference: &[u32]) {
