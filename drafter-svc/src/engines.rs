@@ -50,7 +50,8 @@ impl BlockHeadEngine {
         Ok(Self::new(head, fingerprint, max_context))
     }
 
-    pub fn new(head: DraftHead, fingerprint: String, max_context: usize) -> Self {
+    pub fn new(mut head: DraftHead, fingerprint: String, max_context: usize) -> Self {
+        head.precompute_rotary(max_context + head.block_size());
         Self { head: Arc::new(SharedHead(head)), fingerprint, max_context }
     }
 }

@@ -13,9 +13,7 @@ use std::path::Path;
 
 use glance_models::config::TargetConfig;
 use glance_models::kv_cache::{CacheError, KvCache};
-use glance_models::layers::{
-    apply_rotary, inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, SwiGlu,
-};
+use glance_models::layers::{inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu};
 use glance_models::weights::{read_named_tensors, Checkpoint, WeightsError};
 use glance_models::{ModelError, TextConfig};
 use serde_json::Value;
@@ -221,6 +219,9 @@ pub struct DraftHead {
     /// (vocab, hidden), the target's.
     lm_head: Tensor,
     inv_freq: Tensor,
+    /// Rotary tables of positions 0.. precomputed for serving ([`DraftHead::precompute_rotary`]);
+    /// a round then slices its rows instead of computing them.
+    rotary_table: Option<Rotary>,
     kind: Kind,
     device: Device,
 }
@@ -300,7 +301,28 @@ impl DraftHead {
             tracing::warn!(count = unused.len(), first = %unused[0], "draft head tensors not used");
         }
         let inv_freq = inverse_frequencies(c.rope_theta, c.head_dim, device);
-        Ok(Self { fc, hidden_norm, layers, norm, embed, lm_head, inv_freq, kind, device, config })
+        Ok(Self {
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            embed,
+            lm_head,
+            inv_freq,
+            rotary_table: None,
+            kind,
+            device,
+            config,
+        })
+    }
+
+    /// Precomputes the rotary tables of positions `0..positions` (a serving session's context
+    /// limit plus a block): each round then takes its rows as two views instead of computing them
+    /// (about ten libtorch calls). Positions beyond are still computed.
+    pub fn precompute_rotary(&mut self, positions: usize) {
+        let _no_grad = tch::no_grad_guard();
+        self.rotary_table =
+            Some(self.rotary_at(Tensor::arange(positions as i64, (Kind::Int64, self.device))));
     }
 
     /// An empty draft KV cache for `capacity` stream positions (context rows plus one block).
@@ -367,9 +389,9 @@ impl DraftHead {
         let context = context.to_device(self.device).to_kind(self.kind);
         let ctx = self.hidden_norm.forward(&self.fc.forward(&context));
         let mut hidden = self.block_embedding(root_token);
-        let (cos, sin) = self.rotary(cache.len() as i64, rows + block);
+        let rotary = self.rotary(cache.len() as i64, rows + block);
         for (i, layer) in self.layers.iter().enumerate() {
-            hidden = layer.forward(&hidden, &ctx, &cos, &sin, i, cache);
+            hidden = layer.forward(&hidden, &ctx, &rotary, i, cache);
         }
         // Only the context rows persist; the block's rows past them are left to be overwritten.
         cache.advance(rows as usize);
@@ -394,22 +416,21 @@ impl DraftHead {
             positions.extend(a..a + block);
         }
         let mut hidden = self.embed_tokens(&ids);
-        let (cos, sin) = self.rotary_at(Tensor::from_slice(&positions));
+        let rotary = self.rotary_at(Tensor::from_slice(&positions));
         let mask = training_mask(anchors, rows, block, self.kind, self.device);
         for layer in &self.layers {
-            hidden = layer.forward_masked(&hidden, &ctx, &cos, &sin, &mask);
+            hidden = layer.forward_masked(&hidden, &ctx, &rotary, &mask);
         }
         let out = self.norm.forward(&hidden).view([count, block, -1]).narrow(1, 1, block - 1);
         self.logits(&out)
     }
 
-    /// cos and sin (n, head_dim) for the 1-D int64 `positions` (n,); angles in f32 as
+    /// Rotary tables (n, head_dim) for the 1-D int64 `positions` (n,); angles in f32 as
     /// transformers' Qwen3RotaryEmbedding computes them.
-    fn rotary_at(&self, positions: Tensor) -> (Tensor, Tensor) {
+    fn rotary_at(&self, positions: Tensor) -> Rotary {
         let positions = positions.to_device(self.device).to_kind(Kind::Float);
-        let freqs = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0);
-        let angles = Tensor::cat(&[&freqs, &freqs], -1);
-        (angles.cos().to_kind(self.kind), angles.sin().to_kind(self.kind))
+        let half_angles = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0); // (n, hd/2)
+        Rotary::from_half_angles(&half_angles, self.kind)
     }
 
     /// Target embedding of `[root, MASK × (B−1)]`, (B, hidden).
@@ -439,9 +460,12 @@ impl DraftHead {
         logits
     }
 
-    /// cos and sin (n, head_dim) for the 1-D positions `start..start+n`.
-    fn rotary(&self, start: i64, n: i64) -> (Tensor, Tensor) {
-        self.rotary_at(Tensor::arange_start(start, start + n, (Kind::Int64, self.device)))
+    /// Rotary tables (n, head_dim) for the positions `start..start+n`.
+    fn rotary(&self, start: i64, n: i64) -> Rotary {
+        match &self.rotary_table {
+            Some(table) if start + n <= table.len() => table.rows(start, n),
+            _ => self.rotary_at(Tensor::arange_start(start, start + n, (Kind::Int64, self.device))),
+        }
     }
 
     pub fn config(&self) -> &DraftHeadConfig {
@@ -588,29 +612,22 @@ impl HeadLayer {
         &self,
         hidden: &Tensor,
         ctx: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rotary: &Rotary,
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
         let x = self.input_layernorm.forward(hidden);
-        let h = hidden + self.attn.forward(&x, ctx, cos, sin, layer, cache);
+        let h = hidden + self.attn.forward(&x, ctx, rotary, layer, cache);
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
 }
 
 impl HeadLayer {
-    /// Training variant of `forward`: no cache, an explicit mask; cos/sin cover ctx then block rows.
-    fn forward_masked(
-        &self,
-        hidden: &Tensor,
-        ctx: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
-    ) -> Tensor {
+    /// Training variant of `forward`: no cache, an explicit mask; the rotary tables cover ctx then
+    /// block rows.
+    fn forward_masked(&self, hidden: &Tensor, ctx: &Tensor, rotary: &Rotary, mask: &Tensor) -> Tensor {
         let x = self.input_layernorm.forward(hidden);
-        let (q, k, v) = self.attn.project(&x, ctx, cos, sin);
+        let (q, k, v) = self.attn.project(&x, ctx, rotary);
         let h = hidden + self.attn.attend(&q, &k, &v, Some(mask));
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
@@ -645,24 +662,23 @@ impl HeadAttention {
     }
 
     /// Queries from the block x (B, d); keys/values from [ctx ; x] (C+B rows) appended to the
-    /// layer's cache; non-causal attention over everything cached. cos/sin: (C+B, head_dim).
+    /// layer's cache; non-causal attention over everything cached. Rotary tables: (C+B, head_dim).
     fn forward(
         &self,
         x: &Tensor,
         ctx: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rotary: &Rotary,
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
-        let (q, k, v) = self.project(x, ctx, cos, sin);
+        let (q, k, v) = self.project(x, ctx, rotary);
         let (keys, values) = cache.write(layer, &k, &v);
         self.attend(&q, &keys, &values, None)
     }
 
     /// q (heads, B, hd) from the block rows; k, v (kv_heads, C+B, hd) from [ctx ; x]; q/k normed
-    /// per head and rotated (queries at the last B positions of cos/sin).
-    fn project(&self, x: &Tensor, ctx: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
+    /// per head and rotated (queries at the last B positions of the tables).
+    fn project(&self, x: &Tensor, ctx: &Tensor, rotary: &Rotary) -> (Tensor, Tensor, Tensor) {
         let block = x.size()[0];
         let rows = ctx.size()[0] + block;
         let split_heads = |t: Tensor, n: i64, count: i64| t.view([n, count, self.head_dim]);
@@ -672,10 +688,9 @@ impl HeadAttention {
         let kv = split_heads(self.kv_proj.forward(&kv_input), rows, 2 * self.num_kv_heads);
         let k = self.k_norm.forward(&kv.narrow(1, 0, self.num_kv_heads)).transpose(0, 1);
         let v = kv.narrow(1, self.num_kv_heads, self.num_kv_heads).transpose(0, 1);
-        let q_cos = cos.narrow(0, rows - block, block).unsqueeze(0);
-        let q_sin = sin.narrow(0, rows - block, block).unsqueeze(0);
-        let q = apply_rotary(&q, &q_cos, &q_sin);
-        let k = apply_rotary(&k, &cos.unsqueeze(0), &sin.unsqueeze(0));
+        // (heads, n, hd) against (n, hd) tables: broadcast over the heads.
+        let q = rotary.rows(rows - block, block).apply(&q);
+        let k = rotary.apply(&k);
         (q, k, v)
     }
 

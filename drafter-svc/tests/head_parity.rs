@@ -103,6 +103,10 @@ fn draft_logits_match_the_torch_reference() -> Result<()> {
     for (i, diff) in diffs.iter().enumerate() {
         assert!(*diff <= F32_TOLERANCE, "call {i}: max |Δ| {diff}");
     }
+    // Serving precomputes the rotary tables: the same logits, bit for bit.
+    let mut served = DraftHead::load(&head_dir, &root.join(TARGET), Kind::Float, Device::Cpu)?;
+    served.precompute_rotary(64);
+    assert_eq!(run_calls(&served, &calls)?, diffs, "precomputed rotary tables change the logits");
     Ok(())
 }
 

@@ -44,12 +44,20 @@ pub struct DraftCost {
     per_round: Ewma,
     /// Seconds per context row beyond a small round's, from the larger rounds.
     per_row: Ewma,
+    /// |observed − estimated| seconds of the small rounds: how far a round may come in earlier
+    /// than expected.
+    error: Ewma,
 }
 
 impl DraftCost {
     const FEW_ROWS: usize = 32;
 
     pub fn observe(&mut self, rows: usize, secs: f64) {
+        // The error of the usual (small) rounds; a prompt-sized one is rarer and its per-row
+        // cost is still being learnt.
+        if let (Some(expected), true) = (self.estimate(rows), rows <= Self::FEW_ROWS) {
+            self.error.observe((secs - expected).abs());
+        }
         match self.per_round.get() {
             Some(base) if rows > Self::FEW_ROWS => self.per_row.observe((secs - base).max(0.0) / rows as f64),
             _ => self.per_round.observe(secs),
@@ -60,6 +68,11 @@ impl DraftCost {
         let base = self.per_round.get()?;
         let per_row = if rows > Self::FEW_ROWS { self.per_row.get().unwrap_or(0.0) } else { 0.0 };
         Some(base + per_row * rows as f64)
+    }
+
+    /// The typical error of [`DraftCost::estimate`], seconds (0 until two rounds are seen).
+    pub fn error(&self) -> f64 {
+        self.error.get().unwrap_or(0.0)
     }
 }
 
@@ -354,7 +367,9 @@ impl RoundPolicy {
     /// greedy step rather than wait?
     pub fn step_while_drafting(&self, context_rows: usize, elapsed: f64) -> bool {
         match (self.verify.estimate(1), self.draft.estimate(context_rows)) {
-            (Some(step), Some(draft)) => self.steps_at(draft - elapsed, step),
+            // Pessimistic about the remaining time: a step that runs past the tree's arrival is
+            // the one loss stepping can make.
+            (Some(step), Some(draft)) => self.steps_at(draft - self.draft.error() - elapsed, step),
             // Nothing measured yet: a step is the safe guess.
             _ => true,
         }
@@ -580,6 +595,18 @@ mod tests {
             policy.first_accepted.observe(0.0);
         }
         assert!(policy.step_while_drafting(4, 0.0031));
+        // Draft times that vary make the rule keep a margin: with rounds of 3 and 5 ms, at 2.2 ms
+        // the mean leaves 1.8 ms (more than a step) but a round may come in within the step.
+        let mut noisy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        for _ in 0..20 {
+            noisy.first_accepted.observe(1.0);
+        }
+        for i in 0..40 {
+            noisy.observe_draft(4, if i % 2 == 0 { 0.003 } else { 0.005 });
+        }
+        assert!(noisy.draft.error() > 0.0005, "{}", noisy.draft.error());
+        assert!(noisy.step_while_drafting(4, 0.0));
+        assert!(!noisy.step_while_drafting(4, 0.0022));
         // A prompt-sized first round: the per-row cost learnt from it makes the next one longer.
         policy.observe_draft(104, 0.0135);
         assert!((policy.draft.estimate(104).unwrap() - 0.0135).abs() < 1e-9);

@@ -253,6 +253,20 @@ impl Rotary {
         }
     }
 
+    /// The tables of rows `start..start+len` (the first dimension: positions).
+    pub fn rows(&self, start: i64, len: i64) -> Self {
+        Self { cos: self.cos.narrow(0, start, len), signed_sin: self.signed_sin.narrow(0, start, len) }
+    }
+
+    /// Positions the tables cover (their first dimension).
+    pub fn len(&self) -> i64 {
+        self.cos.size()[0]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// x (…, head_dim), tables broadcastable to it.
     pub fn apply(&self, x: &Tensor) -> Tensor {
         let half = x.size().last().copied().expect("rotary input has a last dimension") / 2;
