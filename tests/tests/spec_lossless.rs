@@ -105,14 +105,12 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
 
         let oracle_file = scratch.join(format!("{family}-oracle.json"));
         std::fs::write(&oracle_file, suite::oracle_json(&prompts)).unwrap();
-        let drafter = ServiceProcess::drafter(&[
-            "--kind",
-            "test-oracle",
-            "--oracle-file",
-            oracle_file.to_str().unwrap(),
-            "--vocab-size",
-            "1024",
-        ]);
+        let oracle_drafter = |extra: &[&str]| {
+            let file = oracle_file.to_str().unwrap();
+            let args = ["--kind", "test-oracle", "--oracle-file", file, "--vocab-size", "1024"];
+            ServiceProcess::drafter(&[&args[..], extra].concat())
+        };
+        let drafter = oracle_drafter(&[]);
         let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
         let oracle = run_suite(
             &verifier.url,
@@ -136,18 +134,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
 
         // A drafter slower than a greedy step: auto steps while each tree is drafted, then
         // verifies the subtree below the tokens those steps committed.
-        let drafter = ServiceProcess::drafter(&[
-            "--kind",
-            "test-oracle",
-            "--oracle-file",
-            oracle_file.to_str().unwrap(),
-            "--vocab-size",
-            "1024",
-            "--stall-every",
-            "1",
-            "--stall-ms",
-            "4",
-        ]);
+        let drafter = oracle_drafter(&["--stall-every", "1", "--stall-ms", "4"]);
         let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
         let what = format!("{family} slow oracle, auto");
         let slow = run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await;

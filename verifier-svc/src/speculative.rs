@@ -240,7 +240,8 @@ pub fn speculative_generate(
     // the deepest one.
     let mut history = History::new(limit + max_depth + 1, width, model);
     // Opened before the prefill: a remote drafter's stream opens while the target prefills.
-    let mut session = provider.open();
+    let mut drafting =
+        Drafting { session: provider.open(), in_flight: None, retry: Retry::default(), decided: None };
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
@@ -253,38 +254,17 @@ pub fn speculative_generate(
     let decode_started = Instant::now();
     let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
     let mut committer = Committer { tokens: Vec::new(), params, on_token, finish: None, prompt_len, limit };
-    let mut retry = Retry::default();
     let mut alive = committer.commit(root);
-    // The round sent to the drafter whose tree has not been collected yet.
-    let mut in_flight: Option<InFlight> = None;
     // How long the verifier last sat idle waiting for a tree.
     let mut idle = Duration::ZERO;
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!("round", position = start).entered();
         // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
-        let mut greedy = Greedy::NoDrafter;
-        if in_flight.is_none() {
-            if let Some(s) = session.as_mut() {
-                let rows = history.len - s.context_len();
-                if policy.as_deref_mut().is_none_or(|p| p.should_draft(root_entropy, max_depth, rows)) {
-                    match send_round(s.as_mut(), &history, root, start, spec) {
-                        Ok(()) => {
-                            in_flight = Some(InFlight {
-                                root_position: start,
-                                context_rows: rows,
-                                sent: Instant::now(),
-                            })
-                        }
-                        Err(e) => drop_session(&mut session, &mut retry, &mut stats, e),
-                    }
-                } else {
-                    greedy = Greedy::Declined;
-                }
-            }
-        }
+        let ask = Ask { history: &history, root, start, root_entropy };
+        let mut greedy = drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         let mut round = None;
-        if let (Some(flight), Some(s)) = (in_flight.as_ref(), session.as_mut()) {
+        if let (Some(flight), Some(s)) = (drafting.in_flight.as_ref(), drafting.session.as_mut()) {
             // Auto takes greedy steps while the drafter works; the fixed modes wait for the tree.
             let overlap = policy.as_deref().is_some_and(|p| {
                 p.step_while_drafting(flight.context_rows, flight.sent.elapsed().as_secs_f64())
@@ -303,7 +283,7 @@ pub fn speculative_generate(
                 }
                 Ok(Some(drafted)) => {
                     idle = waited.elapsed();
-                    let flight = in_flight.take().expect("a round in flight");
+                    let flight = drafting.in_flight.take().expect("a round in flight");
                     record_draft(&drafted, &mut stats);
                     if let Some(p) = policy.as_deref_mut() {
                         p.observe_draft(flight.context_rows, drafted.round_trip.as_secs_f64());
@@ -311,27 +291,10 @@ pub fn speculative_generate(
                     if valid(&drafted.tree, limits, &mut stats) {
                         greedy = Greedy::Declined;
                         let path = committed_since(&history, flight.root_position, root);
-                        // The subtree below the tokens committed while it was drafted.
-                        let below =
-                            if path.is_empty() { Some(drafted.tree) } else { drafted.tree.descend(&path) };
-                        let below = below.filter(|t| !t.is_empty());
-                        round = match (below, policy.as_deref_mut()) {
-                            (None, Some(p)) => {
-                                p.observe_stale_tree();
-                                None
-                            }
-                            (tree, None) => tree,
-                            (Some(mut tree), Some(p)) => {
-                                tree.truncate(p.choose_nodes(&tree));
-                                (!tree.is_empty()).then_some(tree)
-                            }
-                        };
+                        round = to_verify(drafted.tree, &path, policy.as_deref_mut());
                     }
                 }
-                Err(e) => {
-                    in_flight = None;
-                    drop_session(&mut session, &mut retry, &mut stats, e);
-                }
+                Err(e) => drafting.fail(&mut stats, e),
             }
         }
         let verify_started = Instant::now();
@@ -385,10 +348,22 @@ pub fn speculative_generate(
         }
         root_entropy = next_entropy.map(f64::from);
         drop(entered);
-        let _commit = tracing::info_span!("commit", tokens = committed.len() - 1).entered();
         // committed = [root, accepted…, bonus]; the cache now holds root + accepted.
         let new_positions = committed.len() - 1;
         history.push(&committed[..new_positions], states.as_ref());
+        root = *committed.last().expect("a round commits at least the bonus");
+        // The next round's tree is asked for before the tokens go to the client (detokenizing,
+        // stop strings, the stream), so the drafter starts on it that much earlier. Unless this
+        // round certainly ends the generation; a stop string found below wastes only the draft.
+        let total = committer.tokens.len() + new_positions;
+        let ends = committed[1..].iter().any(|t| params.eos_token_ids.contains(t))
+            || total >= params.max_new_tokens
+            || cache.len() >= limit;
+        if !ends {
+            let ask = Ask { history: &history, root, start: cache.len(), root_entropy };
+            drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
+        }
+        let _commit = tracing::info_span!("commit", tokens = new_positions).entered();
         for (i, &token) in committed[1..].iter().enumerate() {
             // Every token but the last of a drafted round is an accepted draft token.
             if drafted && i + 2 < committed.len() {
@@ -399,17 +374,11 @@ pub fn speculative_generate(
                 break;
             }
         }
-        root = *committed.last().expect("a round commits at least the bonus");
-        if session.is_none() && alive && retry.due() {
-            session = provider.open();
-            if session.is_none() {
-                retry.failed();
-            }
-        } else if session.is_some() {
-            retry.succeeded();
+        if alive {
+            drafting.reconnect(provider);
         }
     }
-    if let Some(s) = &session {
+    if let Some(s) = &drafting.session {
         stats.bytes_sent += s.bytes_sent();
     }
     stats.policy = policy.map(|p| p.stats);
@@ -563,18 +532,111 @@ fn record_draft(drafted: &Drafted, stats: &mut SpecStats) {
     stats.hop_time += drafted.round_trip.saturating_sub(drafted.draft_time);
 }
 
-/// A failed session is dropped; a fresh one is tried after a few greedy rounds.
-fn drop_session(
-    session: &mut Option<Box<dyn DraftSession>>,
-    retry: &mut Retry,
-    stats: &mut SpecStats,
-    error: DraftFailure,
-) {
-    tracing::warn!(error = %error, "drafting failed; decoding without a drafter for now");
-    if let Some(s) = session.take() {
-        stats.bytes_sent += s.bytes_sent();
+/// The verifier's side of drafting for one generation: the session (while a drafter answers),
+/// the round in flight, when to try a failed drafter again, and the last position decided.
+struct Drafting {
+    session: Option<Box<dyn DraftSession>>,
+    /// The round sent whose tree has not been collected yet.
+    in_flight: Option<InFlight>,
+    retry: Retry,
+    /// The position whose draft-or-not decision was taken, and what it made of its round.
+    decided: Option<(usize, Greedy)>,
+}
+
+/// Where a round would start: the committed history, the pending root at `start`, and the
+/// target's entropy there when known.
+struct Ask<'a> {
+    history: &'a History,
+    root: i64,
+    start: usize,
+    root_entropy: Option<f64>,
+}
+
+impl Drafting {
+    /// The draft-or-not decision for the round at `ask.start`, taken once per position (it may
+    /// come early, before the previous round's tokens are committed): with no round in flight,
+    /// sends one unless the policy declines. Returns why the round is a greedy step if it ends up
+    /// one.
+    fn decide(
+        &mut self,
+        ask: Ask,
+        policy: Option<&mut RoundPolicy>,
+        spec: SpecParams,
+        max_depth: usize,
+        stats: &mut SpecStats,
+    ) -> Greedy {
+        if let Some((position, greedy)) = self.decided {
+            if position == ask.start {
+                return greedy;
+            }
+        }
+        let greedy = match (&self.in_flight, self.session.as_mut()) {
+            (Some(_), _) | (None, None) => Greedy::NoDrafter,
+            (None, Some(s)) => {
+                let rows = ask.history.len - s.context_len();
+                if policy.is_none_or(|p| p.should_draft(ask.root_entropy, max_depth, rows)) {
+                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec) {
+                        Ok(()) => {
+                            let sent = Instant::now();
+                            self.in_flight =
+                                Some(InFlight { root_position: ask.start, context_rows: rows, sent });
+                        }
+                        Err(e) => self.fail(stats, e),
+                    }
+                    Greedy::NoDrafter
+                } else {
+                    Greedy::Declined
+                }
+            }
+        };
+        self.decided = Some((ask.start, greedy));
+        greedy
     }
-    retry.failed();
+
+    /// A failed session is dropped (its round with it); a fresh one is tried after a few greedy
+    /// rounds.
+    fn fail(&mut self, stats: &mut SpecStats, error: DraftFailure) {
+        tracing::warn!(error = %error, "drafting failed; decoding without a drafter for now");
+        if let Some(s) = self.session.take() {
+            stats.bytes_sent += s.bytes_sent();
+        }
+        self.in_flight = None;
+        self.retry.failed();
+    }
+
+    /// After a round: counts a greedy round towards the next attempt at a failed drafter and
+    /// opens a fresh session once the wait is over.
+    fn reconnect(&mut self, provider: &mut dyn DraftProvider) {
+        if self.session.is_some() {
+            self.retry.succeeded();
+        } else if self.retry.due() {
+            self.session = provider.open();
+            match self.session {
+                // The next round may ask the fresh session (an early decision found none).
+                Some(_) => self.decided = None,
+                None => self.retry.failed(),
+            }
+        }
+    }
+}
+
+/// What of a (valid) tree drafted at an earlier root to verify now that `path` has been
+/// committed past that root: the subtree below the path, cut by the auto policy to the
+/// best-first prefix that pays. `None`: nothing (the steps left the tree or passed its depth, or
+/// the policy declined).
+fn to_verify(tree: Tree, path: &[TokenId], policy: Option<&mut RoundPolicy>) -> Option<Tree> {
+    let below = if path.is_empty() { Some(tree) } else { tree.descend(path) };
+    match (below.filter(|t| !t.is_empty()), policy) {
+        (None, Some(p)) => {
+            p.observe_stale_tree();
+            None
+        }
+        (tree, None) => tree,
+        (Some(mut tree), Some(p)) => {
+            tree.truncate(p.choose_nodes(&tree));
+            (!tree.is_empty()).then_some(tree)
+        }
+    }
 }
 
 /// The tokens committed after the position `from` up to the pending `root`: the path from a
