@@ -352,8 +352,7 @@ impl RoundPolicy {
             .and_then(|h| self.law.expected_commit(h, horizon))
             .or(self.recent_commit.get())
             .unwrap_or(f64::INFINITY);
-        let nodes = self.recent_nodes.get().unwrap_or(1.0).round().max(1.0) as usize;
-        let Some(verify) = self.verify.estimate(nodes + 1) else { return true };
+        let Some(verify) = self.typical_verify() else { return true };
         let (steps, idle) = self.overlap(draft, step);
         if (expected - steps as f64) / (idle + verify) >= 1.0 / step {
             return true;
@@ -387,9 +386,14 @@ impl RoundPolicy {
             return true;
         }
         let a = self.first_accepted.get().unwrap_or(0.5);
-        let nodes = self.recent_nodes.get().unwrap_or(1.0).round().max(1.0) as usize;
-        let verify = self.verify.estimate(nodes + 1).unwrap_or(step);
+        let verify = self.typical_verify().unwrap_or(step);
         (1.0 - a) * (wait + verify - step) > a * (step - wait)
+    }
+
+    /// A verify pass of the size rounds have recently verified (root + nodes), seconds.
+    fn typical_verify(&self) -> Option<f64> {
+        let nodes = self.recent_nodes.get().unwrap_or(1.0).round().max(1.0) as usize;
+        self.verify.estimate(nodes + 1)
     }
 
     /// How a draft of `draft` seconds overlaps greedy steps of `step` seconds under

@@ -191,6 +191,17 @@ struct Committer<'a, F: FnMut(i64) -> StepControl> {
 }
 
 impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
+    /// Whether committing `tokens` ends the generation by the checks that do not depend on the
+    /// client (end of sequence, the token limit, the context): [`Committer::commit`]'s own, ahead
+    /// of it.
+    fn surely_ends(&self, tokens: &[i64]) -> bool {
+        let total = self.tokens.len() + tokens.len();
+        tokens.iter().any(|t| self.params.eos_token_ids.contains(t))
+            || total >= self.params.max_new_tokens
+            // The cache would then hold the prompt and all but the last token (see `commit`).
+            || self.prompt_len + total > self.limit
+    }
+
     /// Commits one token with the greedy decoder's checks in its order; returns false once
     /// generation has ended.
     fn commit(&mut self, token: i64) -> bool {
@@ -355,11 +366,7 @@ pub fn speculative_generate(
         // The next round's tree is asked for before the tokens go to the client (detokenizing,
         // stop strings, the stream), so the drafter starts on it that much earlier. Unless this
         // round certainly ends the generation; a stop string found below wastes only the draft.
-        let total = committer.tokens.len() + new_positions;
-        let ends = committed[1..].iter().any(|t| params.eos_token_ids.contains(t))
-            || total >= params.max_new_tokens
-            || cache.len() >= limit;
-        if !ends {
+        if !committer.surely_ends(&committed[1..]) {
             let ask = Ask { history: &history, root, start: cache.len(), root_entropy };
             drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         }
@@ -625,8 +632,7 @@ impl Drafting {
 /// best-first prefix that pays. `None`: nothing (the steps left the tree or passed its depth, or
 /// the policy declined).
 fn to_verify(tree: Tree, path: &[TokenId], policy: Option<&mut RoundPolicy>) -> Option<Tree> {
-    let below = if path.is_empty() { Some(tree) } else { tree.descend(path) };
-    match (below.filter(|t| !t.is_empty()), policy) {
+    match (tree.descend(path).filter(|t| !t.is_empty()), policy) {
         (None, Some(p)) => {
             p.observe_stale_tree();
             None

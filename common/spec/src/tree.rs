@@ -131,7 +131,7 @@ impl Tree {
         let mut cursor: i32 = -1;
         loop {
             let wanted = choice_per_row[(cursor + 1) as usize];
-            let next = (0..self.len()).find(|&i| self.parents[i] == cursor && self.tokens[i] == wanted);
+            let next = self.child(cursor, wanted);
             match next {
                 Some(i) => {
                     path.push(i);
@@ -147,14 +147,13 @@ impl Tree {
     /// stays best-first and every prefix stays prefix-closed), depths shortened by the path's
     /// length, log-probabilities conditional on the path. `None` when the tree has no such path.
     /// This is a tree drafted at an earlier root, once greedy steps have committed `path` past it.
-    pub fn descend(&self, path: &[TokenId]) -> Option<Tree> {
+    pub fn descend(self, path: &[TokenId]) -> Option<Tree> {
         let mut node: i32 = -1;
         for &token in path {
-            let child = (0..self.len()).find(|&i| self.parents[i] == node && self.tokens[i] == token)?;
-            node = child as i32;
+            node = self.child(node, token)? as i32;
         }
         if node < 0 {
-            return Some(self.clone());
+            return Some(self);
         }
         let (base_depth, base_log_prob) = (self.depths[node as usize], self.log_probs[node as usize]);
         // New index of every kept node; the new root stands in for `node`.
@@ -173,6 +172,11 @@ impl Tree {
             }
         }
         Some(below)
+    }
+
+    /// The child of `parent` (−1: the root) carrying `token`, if the tree has one.
+    fn child(&self, parent: i32, token: TokenId) -> Option<usize> {
+        (0..self.len()).find(|&i| self.parents[i] == parent && self.tokens[i] == token)
     }
 
     /// Which rows of the packed `[root, node 0, node 1, …]` each row may attend to: itself and its
@@ -345,16 +349,16 @@ mod tests {
         let _d = tree.push(4, a, -1.5);
         let _f = tree.push(6, b, -2.0);
         let _e = tree.push(5, c, -0.6);
-        let below_a = tree.descend(&[1]).unwrap();
+        let below_a = tree.clone().descend(&[1]).unwrap();
         assert_eq!(shape(&below_a), vec![(3, 1, -1), (4, 1, -1), (5, 2, 0)]);
         let scores: Vec<f64> = below_a.log_probs.iter().map(|p| (p * 10.0).round() / 10.0).collect();
         assert_eq!(scores, vec![-0.2, -1.4, -0.5]);
         assert!(below_a.validate(TreeLimits { vocab: 8, max_nodes: 8, max_depth: 2 }).is_ok());
-        assert_eq!(shape(&tree.descend(&[1, 3]).unwrap()), vec![(5, 1, -1)]);
-        assert!(tree.descend(&[1, 3, 5]).unwrap().is_empty());
-        assert_eq!(tree.descend(&[]).unwrap(), tree);
+        assert_eq!(shape(&tree.clone().descend(&[1, 3]).unwrap()), vec![(5, 1, -1)]);
+        assert!(tree.clone().descend(&[1, 3, 5]).unwrap().is_empty());
+        assert_eq!(tree.clone().descend(&[]).unwrap(), tree);
         // Off the tree: the greedy steps left it.
-        assert_eq!(tree.descend(&[2, 3]), None);
+        assert_eq!(tree.clone().descend(&[2, 3]), None);
         assert_eq!(tree.descend(&[7]), None);
     }
 
