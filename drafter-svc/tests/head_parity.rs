@@ -1,10 +1,11 @@
 //! The Rust draft head against a torch re-statement of DFlash's forward
 //! (`tests/reference/make_dflash_reference.py`, itself checked to agree exactly with z-lab/dflash
-//! `model/dflash.py`): a random 2-layer head on the tiny Qwen3-VL target, three draft calls that
+//! `model/dflash.py`): a random 2-layer head on the tiny Qwen3-VL target and one on the tiny
+//! text-only Llama (tied LM head, 4.x-free `model.embed_tokens` names), three draft calls that
 //! share one draft cache (20 context rows, then 3, then 1).
 //!
-//! Fixture root: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`; the head and its dumps
-//! live in `<root>/tiny-qwen3-vl-dflash/`. Skipped when absent unless `GLANCE_REQUIRE_FIXTURES=1`.
+//! Fixture root: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`; the heads and their dumps
+//! live in `<root>/<target>-dflash/`. Skipped when absent unless `GLANCE_REQUIRE_FIXTURES=1`.
 
 use std::path::{Path, PathBuf};
 
@@ -16,6 +17,8 @@ use tch::{Device, Kind, Tensor};
 
 const HEAD: &str = "tiny-qwen3-vl-dflash";
 const TARGET: &str = "tiny-qwen3-vl";
+/// (head, target) pairs of the parity check.
+const PAIRS: [(&str, &str); 2] = [(HEAD, TARGET), ("tiny-llama-dflash", "tiny-llama")];
 /// f32 on both sides; only summation order differs.
 const F32_TOLERANCE: f64 = 1e-4;
 
@@ -25,7 +28,10 @@ fn fixture_root() -> Option<PathBuf> {
         let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
         manifest.parent().unwrap_or(manifest).join("tests/fixtures")
     });
-    if root.join(HEAD).join("reference").is_dir() && root.join(TARGET).is_dir() {
+    if PAIRS
+        .iter()
+        .all(|(head, target)| root.join(head).join("reference").is_dir() && root.join(target).is_dir())
+    {
         return Some(root);
     }
     assert!(
@@ -91,22 +97,28 @@ fn draft_logits_match_the_torch_reference() -> Result<()> {
     let Some(root) = fixture_root() else {
         return Ok(());
     };
-    let head_dir = root.join(HEAD);
-    let head = DraftHead::load(&head_dir, &root.join(TARGET), Kind::Float, Device::Cpu)?;
-    assert_eq!(head.block_size(), 16);
-    assert_eq!(head.mask_token_id(), 11);
-    assert_eq!(head.tap_layers(), &[0, 1, 2]);
-    assert_eq!((head.hidden_size(), head.vocab_size()), (64, 1024));
-    let calls = reference_calls(&head_dir)?;
-    let diffs = run_calls(&head, &calls)?;
-    eprintln!("draft logits max |Δ| per call (C = 20, 3, 1): {diffs:?}");
-    for (i, diff) in diffs.iter().enumerate() {
-        assert!(*diff <= F32_TOLERANCE, "call {i}: max |Δ| {diff}");
+    for (head_name, target) in PAIRS {
+        let head_dir = root.join(head_name);
+        let head = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+        assert_eq!(head.block_size(), 16);
+        assert_eq!(head.mask_token_id(), 11);
+        assert_eq!(head.tap_layers(), &[0, 1, 2]);
+        assert_eq!((head.hidden_size(), head.vocab_size()), (64, 1024));
+        let calls = reference_calls(&head_dir)?;
+        let diffs = run_calls(&head, &calls)?;
+        eprintln!("{head_name}: draft logits max |Δ| per call (C = 20, 3, 1): {diffs:?}");
+        for (i, diff) in diffs.iter().enumerate() {
+            assert!(*diff <= F32_TOLERANCE, "{head_name} call {i}: max |Δ| {diff}");
+        }
+        // Serving precomputes the rotary tables: the same logits, bit for bit.
+        let mut served = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+        served.precompute_rotary(64);
+        assert_eq!(
+            run_calls(&served, &calls)?,
+            diffs,
+            "{head_name}: precomputed rotary tables change the logits"
+        );
     }
-    // Serving precomputes the rotary tables: the same logits, bit for bit.
-    let mut served = DraftHead::load(&head_dir, &root.join(TARGET), Kind::Float, Device::Cpu)?;
-    served.precompute_rotary(64);
-    assert_eq!(run_calls(&served, &calls)?, diffs, "precomputed rotary tables change the logits");
     Ok(())
 }
 

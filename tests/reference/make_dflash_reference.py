@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""A tiny random DFlash draft head for the tiny Qwen3-VL target, and its draft logits.
+"""A tiny random DFlash draft head for a tiny target (the Qwen3-VL one, or a text-only Llama),
+and its draft logits.
 
 Usage:  .venv/bin/python tests/reference/make_dflash_reference.py \
             --target DIR/tiny-qwen3-vl --out DIR/tiny-qwen3-vl-dflash [--seed 0]
@@ -181,8 +182,10 @@ def main():
     target_config = json.loads((args.target / "config.json").read_text())
     text = target_config.get("text_config", target_config)
     target_weights = load_file(str(args.target / "model.safetensors"))
-    embed = target_weights["model.language_model.embed_tokens.weight"].float()
-    lm_head = target_weights["lm_head.weight"].float()
+    # A VLM's 5.x names, else a text model's; a tied LM head is the embedding itself.
+    embed = target_weights.get("model.language_model.embed_tokens.weight", target_weights.get("model.embed_tokens.weight"))
+    embed = embed.float()
+    lm_head = target_weights["lm_head.weight"].float() if "lm_head.weight" in target_weights else embed
 
     config, saved_config = head_config(text)
     head = DraftHead(config, len(TAPS)).eval()

@@ -16,6 +16,9 @@ pub mod suite;
 pub const FAMILIES: [(&str, &str); 2] =
     [("tiny-qwen3-vl", "tiny-qwen3-vl-legacy"), ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-legacy")];
 pub const CASES: [&str; 5] = ["text_only", "one_image", "two_images", "resized", "multi_turn"];
+/// The text-only reference families (`tests/reference/make_text_reference.py`) and their cases.
+pub const TEXT_FAMILIES: [&str; 2] = ["tiny-llama", "tiny-qwen3"];
+pub const TEXT_CASES: [&str; 4] = ["single_turn", "with_system", "multi_turn", "long"];
 
 /// Where the reference fixtures live: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`.
 /// Returns None (the caller skips) only when they are absent and not required by
@@ -31,6 +34,23 @@ pub fn fixtures() -> Option<PathBuf> {
         panic!("reference fixtures missing at {} (run scripts/setup.sh)", root.display());
     }
     eprintln!("skipping: no reference fixtures at {} (run scripts/setup.sh)", root.display());
+    None
+}
+
+/// The real pretrained model that `scripts/setup-real-model.sh` converts from PyPI
+/// (SmolLM2-135M-Instruct): `$GLANCE_REAL_MODEL`, else `<workspace>/models/smollm2-135m-instruct`.
+/// Like [`fixtures`], None (skip) only when absent and not required by `GLANCE_REQUIRE_FIXTURES=1`.
+pub fn real_model() -> Option<PathBuf> {
+    let dir = std::env::var_os("GLANCE_REAL_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-instruct"));
+    if dir.join("reference/greedy.json").is_file() {
+        return Some(dir);
+    }
+    if std::env::var("GLANCE_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+        panic!("the real model is missing at {} (run scripts/setup.sh)", dir.display());
+    }
+    eprintln!("skipping: no real model at {} (run scripts/setup.sh)", dir.display());
     None
 }
 

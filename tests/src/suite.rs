@@ -38,8 +38,8 @@ pub struct SuitePrompt {
     pub prompt_ids: Vec<i64>,
 }
 
-/// `count` prompts for the model in `dir` (a fixture directory with `reference/images/`): every
-/// other prompt carries an image, and every third one stops at EOS.
+/// `count` prompts for the model in `dir` (a fixture directory; a VLM's has `reference/images/`):
+/// for a VLM every other prompt carries an image, and every third one stops at EOS.
 pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> {
     let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).expect("prompt builder");
     let model = TargetModel::load(dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
@@ -47,7 +47,7 @@ pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> 
     (0..count)
         .map(|i| {
             let mut content = Vec::new();
-            if i % 2 == 1 {
+            if i % 2 == 1 && prompts.takes_images() {
                 let path = dir.join("reference/images").join(IMAGES[(i / 2) % IMAGES.len()]);
                 content.push(ContentPart::Image {
                     data: std::fs::read(path).expect("image"),

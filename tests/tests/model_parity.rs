@@ -30,7 +30,7 @@ fn reference_inputs(case: &Case) -> ModelInputs {
 /// One prompt forward with every layer tapped: (logits (n, vocab), taps).
 fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
     let _guard = tch::no_grad_guard();
-    let vision = inputs.pixel_values.as_ref().map(|p| model.encode_images(p, &inputs.image_grids));
+    let vision = inputs.pixel_values.as_ref().map(|p| model.encode_images(p, &inputs.image_grids).unwrap());
     let ids = Tensor::from_slice(&inputs.input_ids);
     let positions = inputs.positions_tensor();
     let mut cache = model.new_cache(inputs.input_ids.len());

@@ -1,5 +1,6 @@
-//! Losslessness through both services as processes on loopback: for a suite of 52 prompts (26 per
-//! family, half with images, 64 new tokens, some stopping at EOS), every speculative mode returns
+//! Losslessness through both services as processes on loopback: for a suite of 26 prompts per
+//! family (two VLMs, half with images, and the two text-only families; 64 new tokens, some
+//! stopping at EOS), every speculative mode returns
 //! exactly the greedy tokens — with a randomly initialized block head (misses), with an oracle
 //! drafter whose top branch is the true continuation (deep commits, compaction, EOS inside
 //! accepted runs), with a garbage drafter that also sends malformed trees, and with prompt lookup;
@@ -66,7 +67,7 @@ async fn run_suite(
 async fn every_speculative_mode_equals_greedy_through_both_services() {
     let Some(root) = fixtures() else { return };
     let scratch = scratch("lossless");
-    for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl"] {
+    for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-llama", "tiny-qwen3"] {
         let dir = root.join(family);
         let prompts = suite::build(&dir, PROMPTS_PER_FAMILY, NEW_TOKENS);
 

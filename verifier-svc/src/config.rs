@@ -7,9 +7,14 @@ use clap::Parser;
 use glance_client::Mode;
 
 #[derive(Parser, Debug, Clone)]
-#[command(name = "verifier-svc", version, about = "glance verifier: serves a Qwen-VL target over gRPC")]
+#[command(
+    name = "verifier-svc",
+    version,
+    about = "glance verifier: serves a target model (Qwen3-VL, Qwen2.5-VL, Llama, Qwen3) over gRPC"
+)]
 pub struct Args {
-    /// Hugging Face model directory (config.json, safetensors, tokenizer, preprocessor config).
+    /// Hugging Face model directory (config.json, safetensors, tokenizer; a VLM also its
+    /// preprocessor config).
     #[arg(long, env = "GLANCE_MODEL")]
     pub model: PathBuf,
     /// `cpu`, `cuda` or `cuda:N`.

@@ -171,8 +171,9 @@ fn model_info(
     context_window: usize,
     defaults: &DecodingDefaults,
 ) -> pb::ModelInfoResponse {
-    let image_config = prompts.image_config();
-    let (min_pixels, max_pixels) = (image_config.min_pixels, image_config.max_pixels);
+    // A text-only model takes no images: zero images and pixels say so.
+    let (min_pixels, max_pixels) = prompts.image_config().map_or((0, 0), |c| (c.min_pixels, c.max_pixels));
+    let max_images = if prompts.takes_images() { args.max_images as u32 } else { 0 };
     let mut modes = vec![pb::DecodingMode::Autoregressive, pb::DecodingMode::PromptLookup];
     if defaults.drafter_configured {
         modes.extend([
@@ -189,7 +190,7 @@ fn model_info(
         vocab_size: model.text_config().vocab_size as u32,
         context_window: context_window as u32,
         max_new_tokens_limit: args.max_new_tokens_limit,
-        max_images_per_request: args.max_images as u32,
+        max_images_per_request: max_images,
         min_pixels: min_pixels as u64,
         max_pixels: max_pixels as u64,
         supported_modes: modes.into_iter().map(|m| m as i32).collect(),

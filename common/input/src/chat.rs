@@ -16,11 +16,20 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// Special-token strings HF passes to every template (`tokenizer.special_tokens_map`).
 const SPECIAL_TOKEN_KEYS: [&str; 4] = ["bos_token", "eos_token", "pad_token", "unk_token"];
 
-/// One message as chat templates see it: HF's `{"role": ..., "content": [parts]}` shape.
+/// One message as chat templates see it: HF's `{"role": ..., "content": ...}` shape.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TemplateMessage {
     pub role: String,
-    pub content: Vec<TemplatePart>,
+    pub content: TemplateContent,
+}
+
+/// A VLM processor's templates read a list of typed parts; a text model's tokenizer templates
+/// concatenate `message['content']` as a string.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum TemplateContent {
+    Parts(Vec<TemplatePart>),
+    Text(String),
 }
 
 /// A content part: `{"type": "text", "text": ...}` or `{"type": "image"}`.
@@ -29,6 +38,12 @@ pub struct TemplateMessage {
 pub enum TemplatePart {
     Text { text: String },
     Image,
+}
+
+impl From<Vec<TemplatePart>> for TemplateContent {
+    fn from(parts: Vec<TemplatePart>) -> Self {
+        Self::Parts(parts)
+    }
 }
 
 /// A compiled chat template plus the special-token variables it may refer to.
@@ -171,7 +186,7 @@ mod tests {
     use super::*;
 
     fn user(parts: Vec<TemplatePart>) -> TemplateMessage {
-        TemplateMessage { role: "user".into(), content: parts }
+        TemplateMessage { role: "user".into(), content: parts.into() }
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub enum InputError {
     )]
     NotPatchAligned { field: String, height: usize, width: usize, factor: usize },
 
+    #[error("{field}: this model is text-only ({model_type}) and takes no images")]
+    ImagesUnsupported { field: String, model_type: String },
+
     #[error("messages: chat template failed: {reason}")]
     Template { reason: String },
 
@@ -74,6 +77,7 @@ impl InputError {
     fn field_mut(&mut self) -> Option<&mut String> {
         match self {
             Self::InvalidRole { field, .. }
+            | Self::ImagesUnsupported { field, .. }
             | Self::ReservedToken { field, .. }
             | Self::UnsupportedMime { field, .. }
             | Self::UnsupportedImageFormat { field, .. }

@@ -1,6 +1,7 @@
 //! glance-input: the input pipeline — a chat request (messages with text and encoded images)
 //! becomes token ids, normalized image patches and M-RoPE positions, matching Hugging Face
-//! transformers' Qwen2.5-VL and Qwen3-VL processors. The pipeline works on plain `Vec`s; only
+//! transformers' Qwen2.5-VL and Qwen3-VL processors (and, for a text-only model, its tokenizer's
+//! `apply_chat_template`). The pipeline works on plain `Vec`s; only
 //! [`Prompt::model_inputs`] turns a prompt into the model's tensors.
 
 mod chat;
@@ -12,7 +13,7 @@ mod pyjson;
 mod resample;
 mod rope_index;
 
-pub use self::chat::{ChatTemplate, TemplateMessage, TemplatePart};
+pub use self::chat::{ChatTemplate, TemplateContent, TemplateMessage, TemplatePart};
 pub use self::error::{InputError, LoadError};
 pub use self::image::{
     decode_image, decode_image_with_limit, patchify, preprocess_image, resize_for_model, smart_resize,

@@ -1,6 +1,8 @@
 //! Turns a chat request into model inputs the way transformers' Qwen-VL processor does with
 //! `apply_chat_template(..., tokenize=True)`: images preprocessed, template rendered, each image
-//! placeholder expanded to one token per merged patch, tokens and M-RoPE positions computed.
+//! placeholder expanded to one token per merged patch, tokens and M-RoPE positions computed. For
+//! a text-only model it is the tokenizer's `apply_chat_template`: each message's content is one
+//! string, positions count tokens, and an image part is refused.
 
 use std::path::Path;
 
@@ -9,7 +11,7 @@ use glance_models::decode::ModelInputs;
 use tch::Tensor;
 use tokenizers::Tokenizer;
 
-use super::chat::{token_text, ChatTemplate, TemplateMessage, TemplatePart};
+use super::chat::{token_text, ChatTemplate, TemplateContent, TemplateMessage, TemplatePart};
 use super::error::{read_optional_json, InputError, LoadError};
 use super::image::{
     decode_image_with_limit, preprocess_image, ImageProcessorConfig, PreparedImage,
@@ -108,40 +110,48 @@ impl Prompt {
     }
 }
 
-/// Tokenizer, chat template, image processor and special tokens of one checkpoint.
+/// Tokenizer, chat template and (for a VLM) image processor and special tokens of one checkpoint.
 #[derive(Debug)]
 pub struct PromptBuilder {
     tokenizer: Tokenizer,
     template: ChatTemplate,
-    image_config: ImageProcessorConfig,
-    special: SpecialTokens,
+    /// `None` for a text-only model.
+    vision: Option<VisionInputs>,
+    /// `config.json`'s `model_type`, named when images are refused.
+    model_type: String,
     eos_token_ids: Vec<u32>,
     bos_token: Option<String>,
     options: PromptOptions,
 }
 
+/// What a VLM's prompts need beyond the tokenizer.
+#[derive(Debug)]
+struct VisionInputs {
+    image_config: ImageProcessorConfig,
+    special: SpecialTokens,
+}
+
 impl PromptBuilder {
-    /// Loads `tokenizer.json`, the chat template, the image processor settings, `config.json`
-    /// and (if present) `tokenizer_config.json` and `generation_config.json` from a Hugging Face
-    /// checkpoint directory.
+    /// Loads `tokenizer.json`, the chat template, `config.json`, for a VLM the image processor
+    /// settings, and (if present) `tokenizer_config.json` and `generation_config.json` from a
+    /// Hugging Face checkpoint directory.
     pub fn from_model_dir(dir: &Path, options: PromptOptions) -> Result<Self, LoadError> {
         let tokenizer = load_tokenizer(&dir.join("tokenizer.json"))?;
         let template = ChatTemplate::from_model_dir(dir)?;
-        let image_config = ImageProcessorConfig::from_model_dir(dir)?
-            .with_pixel_bounds(options.min_pixels, options.max_pixels)
-            .map_err(|reason| LoadError::InvalidOption { name: "min_pixels/max_pixels", reason })?;
         let config_path = dir.join("config.json");
         let config = TargetConfig::read(dir)
             .map_err(|e| LoadError::InvalidConfig { path: config_path.clone(), reason: e.to_string() })?;
-        let special = special_tokens(&config, &tokenizer, &image_config)
-            .map_err(|reason| LoadError::InvalidConfig { path: config_path, reason })?;
+        let vision = match config.family.is_multimodal() {
+            true => Some(VisionInputs::load(dir, &config, &tokenizer, &options)?),
+            false => None,
+        };
         let tokenizer_config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         let eos_token_ids = eos_token_ids(dir, &config, tokenizer_config.as_ref(), &tokenizer)?;
         Ok(Self {
             tokenizer,
             template,
-            image_config,
-            special,
+            vision,
+            model_type: config.family.model_type().to_string(),
             eos_token_ids,
             bos_token: tokenizer_config.as_ref().and_then(|c| token_text(c.get("bos_token")?)),
             options,
@@ -151,20 +161,38 @@ impl PromptBuilder {
     /// Builds the model inputs for a conversation, ending with the assistant's turn prompt.
     pub fn build(&self, messages: &[ChatMessage]) -> Result<Prompt, InputError> {
         self.validate(messages)?;
-        let images = self.prepare_images(messages)?;
+        let Some(vision) = &self.vision else {
+            let text = self.template.render(&text_messages(messages), true)?;
+            let input_ids = self.tokenize(&text)?;
+            let positions = MropePositions::text(input_ids.len());
+            return Ok(Prompt {
+                text,
+                input_ids,
+                images: vec![],
+                positions,
+                rope_delta: 0,
+                image_token_count: 0,
+            });
+        };
+        let images = self.prepare_images(vision, messages)?;
         let text = self.template.render(&template_messages(messages), true)?;
         let ids = self.tokenize(&text)?;
-        let input_ids = self.expand_image_tokens(&ids, &images)?;
+        let input_ids = expand_image_tokens(&ids, &images, vision.special.image_token_id)?;
         let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
         let (positions, rope_delta) = mrope_position_ids(
             &input_ids,
             &grids,
-            self.special.spatial_merge_size,
-            self.special.image_token_id,
-            self.special.vision_start_token_id,
+            vision.special.spatial_merge_size,
+            vision.special.image_token_id,
+            vision.special.vision_start_token_id,
         )?;
         let image_token_count = images.iter().map(|i| i.n_tokens).sum();
         Ok(Prompt { text, input_ids, images, positions, rope_delta, image_token_count })
+    }
+
+    /// Whether the model takes images.
+    pub fn takes_images(&self) -> bool {
+        self.vision.is_some()
     }
 
     /// Detokenizes generated ids.
@@ -187,12 +215,14 @@ impl PromptBuilder {
         &self.template
     }
 
-    pub fn image_config(&self) -> &ImageProcessorConfig {
-        &self.image_config
+    /// The image processor settings (`None` for a text-only model).
+    pub fn image_config(&self) -> Option<&ImageProcessorConfig> {
+        self.vision.as_ref().map(|v| &v.image_config)
     }
 
-    pub fn special_tokens(&self) -> &SpecialTokens {
-        &self.special
+    /// The multimodal special tokens (`None` for a text-only model).
+    pub fn special_tokens(&self) -> Option<&SpecialTokens> {
+        self.vision.as_ref().map(|v| &v.special)
     }
 
     fn validate(&self, messages: &[ChatMessage]) -> Result<(), InputError> {
@@ -209,6 +239,12 @@ impl PromptBuilder {
             }
             for (p, part) in message.content.iter().enumerate() {
                 match part {
+                    ContentPart::Image { .. } if self.vision.is_none() => {
+                        return Err(InputError::ImagesUnsupported {
+                            field: format!("messages[{m}].content[{p}].image"),
+                            model_type: self.model_type.clone(),
+                        })
+                    }
                     ContentPart::Image { .. } => images += 1,
                     ContentPart::Text(text) => self.check_text(text, m, p)?,
                 }
@@ -222,7 +258,8 @@ impl PromptBuilder {
 
     /// HF's processor would pair a placeholder typed by the user with the next real image.
     fn check_text(&self, text: &str, message: usize, part: usize) -> Result<(), InputError> {
-        let reserved = std::iter::once(&self.special.image_token).chain(&self.special.reserved);
+        let Some(vision) = &self.vision else { return Ok(()) };
+        let reserved = std::iter::once(&vision.special.image_token).chain(&vision.special.reserved);
         match reserved.into_iter().find(|token| text.contains(token.as_str())) {
             Some(token) => Err(InputError::ReservedToken {
                 field: format!("messages[{message}].content[{part}].text"),
@@ -232,22 +269,23 @@ impl PromptBuilder {
         }
     }
 
-    fn prepare_images(&self, messages: &[ChatMessage]) -> Result<Vec<PreparedImage>, InputError> {
+    fn prepare_images(
+        &self,
+        vision: &VisionInputs,
+        messages: &[ChatMessage],
+    ) -> Result<Vec<PreparedImage>, InputError> {
         let mut images = Vec::new();
         for (m, message) in messages.iter().enumerate() {
             for (p, part) in message.content.iter().enumerate() {
                 if let ContentPart::Image { data, mime_type } = part {
                     let field = format!("messages[{m}].content[{p}].image");
-                    images.push(self.prepare_image(data, mime_type).map_err(|e| e.at_field(field))?);
+                    let prepared = decode_image_with_limit(data, mime_type, self.options.max_decoded_pixels)
+                        .and_then(|img| preprocess_image(&img, &vision.image_config));
+                    images.push(prepared.map_err(|e| e.at_field(field))?);
                 }
             }
         }
         Ok(images)
-    }
-
-    fn prepare_image(&self, data: &[u8], mime_type: &str) -> Result<PreparedImage, InputError> {
-        let img = decode_image_with_limit(data, mime_type, self.options.max_decoded_pixels)?;
-        preprocess_image(&img, &self.image_config)
     }
 
     /// Like the processor's tokenizer call, special tokens are added unless the prompt already
@@ -260,29 +298,32 @@ impl PromptBuilder {
             .map_err(|e| InputError::Tokenize { reason: e.to_string() })?;
         Ok(encoding.get_ids().to_vec())
     }
+}
 
-    /// Replaces the i-th image placeholder token with image i's `n_tokens` copies. Equivalent to
-    /// HF's expansion in the text because the placeholder is an added token, which the tokenizer
-    /// splits off before anything else.
-    fn expand_image_tokens(&self, ids: &[u32], images: &[PreparedImage]) -> Result<Vec<u32>, InputError> {
-        let image_token = self.special.image_token_id;
-        let placeholders = ids.iter().filter(|&&id| id == image_token).count();
-        if placeholders != images.len() {
-            return Err(InputError::ImagePlaceholderMismatch { placeholders, images: images.len() });
-        }
-        let extra: usize = images.iter().map(|i| i.n_tokens.saturating_sub(1)).sum();
-        let mut expanded = Vec::with_capacity(ids.len() + extra);
-        let mut next_image = images.iter();
-        for &id in ids {
-            if id == image_token {
-                let n_tokens = next_image.next().map_or(1, |image| image.n_tokens);
-                expanded.extend(std::iter::repeat_n(id, n_tokens));
-            } else {
-                expanded.push(id);
-            }
-        }
-        Ok(expanded)
+/// Replaces the i-th image placeholder token with image i's `n_tokens` copies. Equivalent to
+/// HF's expansion in the text because the placeholder is an added token, which the tokenizer
+/// splits off before anything else.
+fn expand_image_tokens(
+    ids: &[u32],
+    images: &[PreparedImage],
+    image_token: u32,
+) -> Result<Vec<u32>, InputError> {
+    let placeholders = ids.iter().filter(|&&id| id == image_token).count();
+    if placeholders != images.len() {
+        return Err(InputError::ImagePlaceholderMismatch { placeholders, images: images.len() });
     }
+    let extra: usize = images.iter().map(|i| i.n_tokens.saturating_sub(1)).sum();
+    let mut expanded = Vec::with_capacity(ids.len() + extra);
+    let mut next_image = images.iter();
+    for &id in ids {
+        if id == image_token {
+            let n_tokens = next_image.next().map_or(1, |image| image.n_tokens);
+            expanded.extend(std::iter::repeat_n(id, n_tokens));
+        } else {
+            expanded.push(id);
+        }
+    }
+    Ok(expanded)
 }
 
 fn template_messages(messages: &[ChatMessage]) -> Vec<TemplateMessage> {
@@ -290,7 +331,27 @@ fn template_messages(messages: &[ChatMessage]) -> Vec<TemplateMessage> {
         .iter()
         .map(|m| TemplateMessage {
             role: m.role.clone(),
-            content: m.content.iter().map(template_part).collect(),
+            content: TemplateContent::Parts(m.content.iter().map(template_part).collect()),
+        })
+        .collect()
+}
+
+/// A text model's messages: the text parts of each joined by newlines (as vLLM does for a
+/// template that reads `content` as a string).
+fn text_messages(messages: &[ChatMessage]) -> Vec<TemplateMessage> {
+    fn text_of(part: &ContentPart) -> Option<&str> {
+        match part {
+            ContentPart::Text(text) => Some(text),
+            ContentPart::Image { .. } => None,
+        }
+    }
+    messages
+        .iter()
+        .map(|m| TemplateMessage {
+            role: m.role.clone(),
+            content: TemplateContent::Text(
+                m.content.iter().filter_map(text_of).collect::<Vec<_>>().join("\n"),
+            ),
         })
         .collect()
 }
@@ -307,7 +368,23 @@ fn load_tokenizer(path: &Path) -> Result<Tokenizer, LoadError> {
         .map_err(|e| LoadError::Tokenizer { path: path.to_path_buf(), reason: e.to_string() })
 }
 
-/// Special ids are top-level keys of `config.json` in both model families; fall back to the
+impl VisionInputs {
+    fn load(
+        dir: &Path,
+        config: &TargetConfig,
+        tokenizer: &Tokenizer,
+        options: &PromptOptions,
+    ) -> Result<Self, LoadError> {
+        let image_config = ImageProcessorConfig::from_model_dir(dir)?
+            .with_pixel_bounds(options.min_pixels, options.max_pixels)
+            .map_err(|reason| LoadError::InvalidOption { name: "min_pixels/max_pixels", reason })?;
+        let special = special_tokens(config, tokenizer, &image_config)
+            .map_err(|reason| LoadError::InvalidConfig { path: dir.join("config.json"), reason })?;
+        Ok(Self { image_config, special })
+    }
+}
+
+/// Special ids are top-level keys of `config.json` in both VLM families; fall back to the
 /// tokenizer's standard placeholder strings like HF's processor does.
 fn special_tokens(
     config: &TargetConfig,

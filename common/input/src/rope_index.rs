@@ -27,6 +27,13 @@ impl MropePositions {
         [&self.t, &self.h, &self.w].into_iter().flatten().copied().collect()
     }
 
+    /// Plain text of `len` tokens: 0, 1, 2… on every axis (a text-only model reads the first).
+    pub fn text(len: usize) -> Self {
+        let mut positions = Self::default();
+        (0..len as i64).for_each(|position| positions.push_text(position));
+        positions
+    }
+
     fn push_text(&mut self, position: i64) {
         self.t.push(position);
         self.h.push(position);

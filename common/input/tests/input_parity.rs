@@ -195,7 +195,7 @@ fn pixel_tolerance(builder: &PromptBuilder, case: &Case, k: usize) -> Result<f32
     let data = std::fs::read(case.dir.join(path))?;
     let rgb = to_rgb8(&decode_image(&data, mime_for(path))?);
     report_decode_difference(case, k, &rgb, path)?;
-    let cfg = builder.image_config();
+    let cfg = builder.image_config().expect("a VLM");
     let resized = resize_for_model(&rgb, cfg)?;
     let (shape, reference) = case.tensor(&format!("resized_{k}"))?;
     let size = [resized.height() as usize, resized.width() as usize, 3];

@@ -1,10 +1,10 @@
 //! A target checkpoint's `config.json`, parsed once into typed structs that the model families,
 //! the input pipeline, the draft head and the fingerprint all read. Both spellings transformers
-//! writes are accepted: 5.x nests the language model under `text_config` and spells rope settings
-//! `rope_parameters`; 4.x Qwen2.5-VL hub files keep them at the top level as `rope_scaling` +
-//! `rope_theta`. Each family resolves the language-model section with its own defaults
-//! ([`TargetConfig::text_config`]), so there is one rule for every derived value (`head_dim`
-//! among them).
+//! writes are accepted: 5.x nests a VLM's language model under `text_config` and spells rope
+//! settings `rope_parameters`; 4.x hub files keep them at the top level as `rope_scaling` +
+//! `rope_theta`. A text-only checkpoint (Llama, Qwen3) is flat. Each family resolves the
+//! language-model section with its own defaults ([`TargetConfig::text_config`]), so there is one
+//! rule for every derived value (`head_dim` among them).
 
 use std::path::Path;
 
@@ -12,30 +12,42 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::layers::Activation;
-use crate::text::{MropeLayout, TextConfig};
+use crate::text::{MropeLayout, RopeScaling, TextConfig};
 use crate::ModelError;
 
-/// The two supported families.
+/// The supported families: two vision-language models and two text-only ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
     Qwen3Vl,
     Qwen25Vl,
+    /// `LlamaForCausalLM` (Llama 2/3, SmolLM2).
+    Llama,
+    /// `Qwen3ForCausalLM`.
+    Qwen3,
 }
 
 impl Family {
+    pub const ALL: [Family; 4] = [Self::Qwen3Vl, Self::Qwen25Vl, Self::Llama, Self::Qwen3];
+
     pub fn model_type(self) -> &'static str {
         match self {
             Self::Qwen3Vl => "qwen3_vl",
             Self::Qwen25Vl => "qwen2_5_vl",
+            Self::Llama => "llama",
+            Self::Qwen3 => "qwen3",
         }
     }
 
     fn from_model_type(model_type: &str) -> Result<Self, ModelError> {
-        match model_type {
-            "qwen3_vl" => Ok(Self::Qwen3Vl),
-            "qwen2_5_vl" => Ok(Self::Qwen25Vl),
-            other => Err(ModelError::UnsupportedModel(other.to_string())),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|family| family.model_type() == model_type)
+            .ok_or_else(|| ModelError::UnsupportedModel(model_type.to_string()))
+    }
+
+    /// Whether the family has a vision tower (and takes images).
+    pub fn is_multimodal(self) -> bool {
+        matches!(self, Self::Qwen3Vl | Self::Qwen25Vl)
     }
 
     /// transformers' default `rope_theta` for the family's text config.
@@ -43,13 +55,14 @@ impl Family {
         match self {
             Self::Qwen3Vl => 500_000.0,
             Self::Qwen25Vl => 1_000_000.0,
+            Self::Llama | Self::Qwen3 => 10_000.0,
         }
     }
 
-    /// Qwen3 language model (q/k norm, `head_dim` key, optional attention bias, interleaved
-    /// M-RoPE) rather than Qwen2 (q/k/v bias, head_dim = hidden / heads, sectioned M-RoPE).
+    /// Qwen3 language model (q/k norm, `head_dim` key, optional attention bias) rather than
+    /// Qwen2 (q/k/v bias, head_dim = hidden / heads) or Llama (optional bias everywhere).
     fn qwen3_text(self) -> bool {
-        self == Self::Qwen3Vl
+        matches!(self, Self::Qwen3Vl | Self::Qwen3)
     }
 }
 
@@ -85,6 +98,10 @@ pub struct TextSection {
     pub hidden_act: Option<String>,
     pub tie_word_embeddings: Option<bool>,
     pub attention_bias: Option<bool>,
+    /// Llama: bias on gate/up/down.
+    pub mlp_bias: Option<bool>,
+    /// Qwen3: sliding-window attention on the upper layers (unsupported when true).
+    pub use_sliding_window: Option<bool>,
     pub eos_token_id: Option<IdList>,
 }
 
@@ -94,6 +111,14 @@ pub struct RopeSection {
     pub rope_theta: Option<f64>,
     pub mrope_section: Option<Vec<usize>>,
     pub mrope_interleaved: Option<bool>,
+    /// default, linear, llama3, mrope…; early 4.x files spell it `type` (some write both).
+    pub rope_type: Option<String>,
+    #[serde(rename = "type")]
+    pub legacy_type: Option<String>,
+    pub factor: Option<f64>,
+    pub low_freq_factor: Option<f64>,
+    pub high_freq_factor: Option<f64>,
+    pub original_max_position_embeddings: Option<f64>,
 }
 
 /// The top-level keys besides the sections.
@@ -152,13 +177,16 @@ impl TargetConfig {
     pub fn text_config(&self) -> Result<TextConfig, ModelError> {
         let (t, family) = (&self.text, self.family);
         let rope = t.rope_parameters.as_ref().or(t.rope_scaling.as_ref()).cloned().unwrap_or_default();
-        let sections = rope.mrope_section.clone().ok_or_else(|| invalid("text_config", "mrope_section"))?;
-        let interleaved = rope.mrope_interleaved.unwrap_or(family.qwen3_text());
         let head_dim = self.head_dim();
-        if sections.iter().sum::<usize>() as i64 != head_dim / 2 {
-            return Err(invalid("text_config", "mrope_section (must sum to head_dim/2)"));
+        let mrope = self.rope_layout(&rope, head_dim)?;
+        if t.use_sliding_window == Some(true) {
+            return Err(invalid(
+                "text_config",
+                "use_sliding_window (sliding-window attention is not supported)",
+            ));
         }
         let attention_bias = t.attention_bias.unwrap_or(false);
+        let max_position_embeddings = t.max_position_embeddings.unwrap_or(32768);
         let activation = t.hidden_act.as_deref().unwrap_or("silu");
         Ok(TextConfig {
             vocab_size: t.vocab_size,
@@ -170,26 +198,43 @@ impl TargetConfig {
             head_dim,
             rms_norm_eps: t.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: rope.rope_theta.or(t.rope_theta).unwrap_or(family.default_rope_theta()),
-            mrope: if interleaved {
-                MropeLayout::Interleaved(sections)
-            } else {
-                MropeLayout::Sectioned(sections)
-            },
-            max_position_embeddings: t.max_position_embeddings.unwrap_or(32768),
+            rope_scaling: rope_scaling(&rope, max_position_embeddings)?,
+            mrope,
+            max_position_embeddings,
             activation: Activation::from_name(activation)
                 .ok_or_else(|| invalid("text_config", "hidden_act"))?,
             tie_word_embeddings: self.tie_word_embeddings(),
-            qkv_bias: if family.qwen3_text() { attention_bias } else { true },
-            o_bias: family.qwen3_text() && attention_bias,
+            qkv_bias: if family == Family::Qwen25Vl { true } else { attention_bias },
+            o_bias: family != Family::Qwen25Vl && attention_bias,
+            mlp_bias: family == Family::Llama && t.mlp_bias.unwrap_or(false),
             qk_norm: family.qwen3_text(),
         })
     }
 
-    /// Width of one attention head: Qwen3 reads `head_dim`, Qwen2 derives it.
+    /// Which position axis each rotary pair reads: M-RoPE sections for the VLMs, one axis for the
+    /// text families.
+    fn rope_layout(&self, rope: &RopeSection, head_dim: i64) -> Result<MropeLayout, ModelError> {
+        if !self.family.is_multimodal() {
+            return Ok(MropeLayout::Single);
+        }
+        let sections = rope.mrope_section.clone().ok_or_else(|| invalid("text_config", "mrope_section"))?;
+        if sections.iter().sum::<usize>() as i64 != head_dim / 2 {
+            return Err(invalid("text_config", "mrope_section (must sum to head_dim/2)"));
+        }
+        Ok(if rope.mrope_interleaved.unwrap_or(self.family.qwen3_text()) {
+            MropeLayout::Interleaved(sections)
+        } else {
+            MropeLayout::Sectioned(sections)
+        })
+    }
+
+    /// Width of one attention head: Qwen3 and Llama read `head_dim` (the text-only Qwen3's
+    /// default is transformers' 128), Qwen2 derives it.
     pub fn head_dim(&self) -> i64 {
         let derived = self.text.hidden_size / self.text.num_attention_heads.max(1);
         match self.family {
-            Family::Qwen3Vl => self.text.head_dim.unwrap_or(derived),
+            Family::Qwen3Vl | Family::Llama => self.text.head_dim.unwrap_or(derived),
+            Family::Qwen3 => self.text.head_dim.unwrap_or(128),
             Family::Qwen25Vl => derived,
         }
     }
@@ -221,6 +266,33 @@ impl TargetConfig {
     /// The vision section in the family's typed form.
     pub fn vision<T: serde::de::DeserializeOwned>(&self) -> Result<T, ModelError> {
         section(&self.vision_config, "vision_config")
+    }
+}
+
+/// The frequency scaling `rope_type` names. `mrope` and `default` scale nothing; the long-context
+/// types this engine does not implement (yarn, dynamic, longrope) are refused rather than run
+/// with the wrong frequencies.
+fn rope_scaling(rope: &RopeSection, max_position_embeddings: usize) -> Result<RopeScaling, ModelError> {
+    let factor = || rope.factor.ok_or_else(|| invalid("rope_parameters", "factor"));
+    match rope.rope_type.as_deref().or(rope.legacy_type.as_deref()).unwrap_or("default") {
+        "default" | "mrope" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: rope
+                .low_freq_factor
+                .ok_or_else(|| invalid("rope_parameters", "low_freq_factor"))?,
+            high_freq_factor: rope
+                .high_freq_factor
+                .ok_or_else(|| invalid("rope_parameters", "high_freq_factor"))?,
+            original_max_position_embeddings: rope
+                .original_max_position_embeddings
+                .unwrap_or(max_position_embeddings as f64),
+        }),
+        other => Err(ModelError::Config {
+            path: "config.json (rope_parameters)".into(),
+            reason: format!("rope_type {other:?} is not supported (supported: default, linear, llama3)"),
+        }),
     }
 }
 

@@ -162,7 +162,7 @@ pub fn prefill_with_taps(
     let device = model.device();
     let vision = match &inputs.pixel_values {
         Some(pixels) if !inputs.image_grids.is_empty() => {
-            Some(model.encode_images(pixels, &inputs.image_grids))
+            Some(model.encode_images(pixels, &inputs.image_grids)?)
         }
         _ => None,
     };

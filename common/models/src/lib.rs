@@ -1,5 +1,6 @@
-//! glance-models: the model library — target vision-language models in libtorch (Qwen3-VL and
-//! Qwen2.5-VL, one file per family, the shared language model in `text`), loaded unchanged from
+//! glance-models: the model library — target models in libtorch (the vision-language Qwen3-VL and
+//! Qwen2.5-VL, the text-only Llama and Qwen3; one file per family, the shared language model in
+//! `text`), loaded unchanged from
 //! Hugging Face model directories with their typed `config.json` (`config`), checkpoint reading
 //! (`weights`), the preallocated KV cache and greedy decoding (`decode`).
 
@@ -7,7 +8,9 @@ pub mod config;
 pub mod decode;
 pub mod kv_cache;
 pub mod layers;
+pub mod llama;
 pub mod qwen2_5_vl;
+pub mod qwen3;
 pub mod qwen3_vl;
 pub mod text;
 pub mod weights;
@@ -17,7 +20,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 pub use config::{Family, TargetConfig};
-pub use text::{LogitRows, MropeLayout, StepInput, StepOutput, TextConfig, VisionEmbeds};
+pub use text::{LogitRows, MropeLayout, RopeScaling, StepInput, StepOutput, TextConfig, VisionEmbeds};
 
 use crate::kv_cache::{CacheError, KvCache};
 use crate::weights::{Checkpoint, WeightsError};
@@ -26,8 +29,10 @@ use crate::weights::{Checkpoint, WeightsError};
 pub enum ModelError {
     #[error("cannot read {path}: {reason}")]
     Config { path: String, reason: String },
-    #[error("unsupported model_type {0:?} (supported: qwen3_vl, qwen2_5_vl)")]
+    #[error("unsupported model_type {0:?} (supported: qwen3_vl, qwen2_5_vl, llama, qwen3)")]
     UnsupportedModel(String),
+    #[error("this {0} model is text-only: it takes no images")]
+    TextOnly(&'static str),
     #[error(transparent)]
     Weights(#[from] WeightsError),
     #[error(transparent)]
@@ -35,6 +40,9 @@ pub enum ModelError {
     #[error("bad model input: {0}")]
     Input(String),
 }
+
+/// The image token id given to the language model of a family without images (no id matches).
+const NO_IMAGE_TOKEN: i64 = -1;
 
 /// Token ids and geometry that the input pipeline and decoders need from `config.json`.
 #[derive(Clone, Debug)]
@@ -77,13 +85,14 @@ pub fn upload_tensor(host: &Tensor, device: Device) -> Tensor {
     }
 }
 
-/// A loaded target VLM.
+/// A loaded target model: a language model and, for the VLM families, a vision tower.
 pub struct TargetModel {
     pub config: TargetConfig,
     pub family: Family,
-    pub ids: MultimodalIds,
+    /// The multimodal token ids (`None` for a text-only family).
+    pub ids: Option<MultimodalIds>,
     pub text: text::TextModel,
-    vision: VisionTower,
+    vision: Option<VisionTower>,
     kind: Kind,
     device: Device,
 }
@@ -108,12 +117,14 @@ impl TargetModel {
         let (ids, text, vision) = match config.family {
             Family::Qwen3Vl => {
                 let (ids, text, vision) = qwen3_vl::load(config, ckpt)?;
-                (ids, text, VisionTower::Qwen3Vl(vision))
+                (Some(ids), text, Some(VisionTower::Qwen3Vl(vision)))
             }
             Family::Qwen25Vl => {
                 let (ids, text, vision) = qwen2_5_vl::load(config, ckpt)?;
-                (ids, text, VisionTower::Qwen25Vl(vision))
+                (Some(ids), text, Some(VisionTower::Qwen25Vl(vision)))
             }
+            Family::Llama => (None, llama::load(config, ckpt)?, None),
+            Family::Qwen3 => (None, qwen3::load(config, ckpt)?, None),
         };
         Ok(Self { config: config.clone(), family: config.family, ids, text, vision, kind, device })
     }
@@ -132,9 +143,14 @@ impl TargetModel {
 
     /// Runs the vision tower. `pixel_values`: (patches, C·T·P·P) f32 as the processor lays them
     /// out; `grids`: (t, h, w) in patches per image, in prompt order.
-    pub fn encode_images(&self, pixel_values: &Tensor, grids: &[[i64; 3]]) -> VisionEmbeds {
+    pub fn encode_images(
+        &self,
+        pixel_values: &Tensor,
+        grids: &[[i64; 3]],
+    ) -> Result<VisionEmbeds, ModelError> {
+        let vision = self.vision.as_ref().ok_or(ModelError::TextOnly(self.family.model_type()))?;
         let pixels = pixel_values.to_device(self.device).to_kind(self.kind);
-        self.vision.encode(&pixels, grids)
+        Ok(vision.encode(&pixels, grids))
     }
 
     pub fn forward(&self, input: &StepInput, cache: &mut KvCache) -> Result<StepOutput, ModelError> {

@@ -1,6 +1,7 @@
-//! The language model of both families: a Qwen2 (Qwen2.5-VL: q/k/v bias) or Qwen3 (Qwen3-VL:
-//! per-head q/k RMSNorm) decoder with GQA, SwiGLU and multimodal rotary positions (M-RoPE), run
-//! over a preallocated KV cache with explicit positions and an optional additive mask.
+//! The language model of every family: a Qwen2 (Qwen2.5-VL: q/k/v bias), Qwen3 (Qwen3-VL and
+//! Qwen3: per-head q/k RMSNorm) or Llama decoder with GQA, SwiGLU and rotary positions, multimodal
+//! (M-RoPE) for the VLMs and one axis for the text families, run over a preallocated KV cache with
+//! explicit positions and an optional additive mask.
 
 use tch::{Device, Kind, Tensor};
 
@@ -18,6 +19,9 @@ pub enum MropeLayout {
     Sectioned(Vec<usize>),
     /// Qwen3-VL: pairs interleaved t, h, w, t, h, w… up to 3·section[axis], the rest temporal.
     Interleaved(Vec<usize>),
+    /// Text-only families: plain 1-D RoPE, every pair reads the first axis (the three position
+    /// rows are equal for text anyway).
+    Single,
 }
 
 impl MropeLayout {
@@ -41,6 +45,50 @@ impl MropeLayout {
                     }
                 })
                 .collect(),
+            Self::Single => vec![0; pairs],
+        }
+    }
+}
+
+/// How the rotary frequencies are rescaled for a longer context than pretraining saw
+/// (transformers' `rope_type`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Every frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+impl RopeScaling {
+    /// `inv_freq` (head_dim/2,) f32 rescaled, in the order transformers computes it.
+    fn apply(&self, inv_freq: Tensor) -> Tensor {
+        match *self {
+            Self::None => inv_freq,
+            Self::Linear { factor } => inv_freq / factor,
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                let wavelen = inv_freq.reciprocal() * (2.0 * std::f64::consts::PI);
+                let scaled = inv_freq.where_self(&wavelen.le(low_wavelen), &(&inv_freq / factor));
+                let smooth =
+                    ((wavelen.reciprocal() * old) - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                let smoothed: Tensor = (1.0 - &smooth) * &scaled / factor + &smooth * &scaled;
+                let medium = wavelen.ge(high_wavelen).logical_and(&wavelen.le(low_wavelen));
+                smoothed.where_self(&medium, &scaled)
+            }
         }
     }
 }
@@ -57,6 +105,7 @@ pub struct TextConfig {
     pub head_dim: i64,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
     pub mrope: MropeLayout,
     pub max_position_embeddings: usize,
     pub activation: Activation,
@@ -64,6 +113,8 @@ pub struct TextConfig {
     /// Qwen2: bias on q/k/v. Qwen3: `attention_bias` (false in released checkpoints).
     pub qkv_bias: bool,
     pub o_bias: bool,
+    /// Llama's `mlp_bias`: bias on gate/up/down.
+    pub mlp_bias: bool,
     /// Qwen3: RMSNorm over each head of q and k before the rotary embedding.
     pub qk_norm: bool,
 }
@@ -180,7 +231,8 @@ pub struct TextModel {
 }
 
 impl TextModel {
-    /// `prefix` is the 5.x name of the language model (`model.language_model`).
+    /// `prefix` is the checkpoint name of the language model (`model.language_model` in a 5.x VLM,
+    /// `model` in a text-only one); `image_token_id` is -1 for a model without images.
     pub fn load(
         ckpt: &mut Checkpoint,
         prefix: &str,
@@ -202,7 +254,7 @@ impl TextModel {
             return Err(WeightsError::Missing { name: "lm_head.weight".into(), alternatives: vec![] });
         };
         let device = ckpt.device();
-        let inv_freq = inverse_frequencies(c.rope_theta, c.head_dim, device);
+        let inv_freq = c.rope_scaling.apply(inverse_frequencies(c.rope_theta, c.head_dim, device));
         let axes = c.mrope.axis_per_pair((c.head_dim / 2) as usize);
         let axis_per_pair = Tensor::from_slice(&axes).to_device(device);
         Ok(Self {
@@ -363,7 +415,7 @@ impl DecoderLayer {
                 &format!("{prefix}.mlp"),
                 c.hidden_size,
                 c.intermediate_size,
-                false,
+                c.mlp_bias,
                 c.activation,
             )?,
         })

@@ -116,7 +116,7 @@ fn task_stats(
 fn conversation(prompt: &str, answer: &str) -> Vec<TemplateMessage> {
     let text = |t: &str| TemplatePart::Text { text: t.into() };
     vec![
-        TemplateMessage { role: "user".into(), content: vec![TemplatePart::Image, text(prompt)] },
-        TemplateMessage { role: "assistant".into(), content: vec![text(answer)] },
+        TemplateMessage { role: "user".into(), content: vec![TemplatePart::Image, text(prompt)].into() },
+        TemplateMessage { role: "assistant".into(), content: vec![text(answer)].into() },
     ]
 }

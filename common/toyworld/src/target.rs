@@ -251,7 +251,7 @@ fn pack(samples: &[Encoded]) -> Packed {
 
 /// The cross-entropy of every answer token of one packed sequence (with gradients).
 fn token_losses(model: &TargetModel, batch: &Packed) -> Result<Tensor, TrainError> {
-    let vision = model.encode_images(&batch.pixels, &batch.grids);
+    let vision = model.encode_images(&batch.pixels, &batch.grids)?;
     let mut cache = model.new_training_cache(batch.ids.size()[0] as usize);
     let step = StepInput {
         token_ids: &batch.ids,

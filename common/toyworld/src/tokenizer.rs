@@ -140,10 +140,13 @@ fn conversation(prompt: &str, answer: &str, with_system: bool) -> Vec<TemplateMe
     let text = |t: &str| TemplatePart::Text { text: t.into() };
     let mut messages = Vec::new();
     if with_system {
-        messages.push(TemplateMessage { role: "system".into(), content: vec![text(SYSTEM_PROMPT)] });
+        messages.push(TemplateMessage { role: "system".into(), content: vec![text(SYSTEM_PROMPT)].into() });
     }
-    messages.push(TemplateMessage { role: "user".into(), content: vec![TemplatePart::Image, text(prompt)] });
-    messages.push(TemplateMessage { role: "assistant".into(), content: vec![text(answer)] });
+    messages.push(TemplateMessage {
+        role: "user".into(),
+        content: vec![TemplatePart::Image, text(prompt)].into(),
+    });
+    messages.push(TemplateMessage { role: "assistant".into(), content: vec![text(answer)].into() });
     messages
 }
 

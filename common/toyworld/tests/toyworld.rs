@@ -197,7 +197,7 @@ fn every_task_goes_through_the_input_pipeline_unresized() {
         let (w, h) = task.image_size();
         for i in 0..5 {
             let s = sample(Split::HeldOut, task, SEED, i);
-            let resized = resize_for_model(&s.image, builder.image_config()).expect("resize");
+            let resized = resize_for_model(&s.image, builder.image_config().expect("a VLM")).expect("resize");
             assert!(matches!(resized, Cow::Borrowed(_)), "{task} {i} was resized");
             let prompt = builder.build(&s.messages()).expect("prompt builds");
             let image = &prompt.images[0];
@@ -221,11 +221,11 @@ fn answer_ids_continue_the_prompt_ids() {
             let s = sample(Split::Train, task, SEED, i);
             let user = TemplateMessage {
                 role: "user".into(),
-                content: vec![TemplatePart::Image, TemplatePart::Text { text: s.prompt.clone() }],
+                content: vec![TemplatePart::Image, TemplatePart::Text { text: s.prompt.clone() }].into(),
             };
             let assistant = TemplateMessage {
                 role: "assistant".into(),
-                content: vec![TemplatePart::Text { text: s.answer.clone() }],
+                content: vec![TemplatePart::Text { text: s.answer.clone() }].into(),
             };
             let prompt = template.render(&[&user], true).expect("renders");
             let full = template.render(&[&user, &assistant], false).expect("renders");

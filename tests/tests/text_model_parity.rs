@@ -1,0 +1,188 @@
+//! Parity of the text-only target families (Llama, Qwen3) with Hugging Face transformers
+//! (float32): logits and every layer's hidden state within 1e-4 on the reference's own token ids,
+//! and the same prompt ids and 32 greedy tokens through our whole input pipeline. The tiny
+//! checkpoints (`tests/reference/make_text_reference.py`) are built so that a loader mistake shows:
+//! the teeth below change one config value and expect different tokens. A text model refuses
+//! images with the field named, and unsupported configs fail at load with the key named.
+
+use std::path::{Path, PathBuf};
+
+use glance_input::{ChatMessage, ContentPart, InputError, PromptBuilder, PromptOptions};
+use glance_models::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
+use glance_models::{Family, LogitRows, StepInput, TargetModel};
+use glance_tests::{fixtures, max_abs_diff, Case, TEXT_CASES, TEXT_FAMILIES};
+use tch::{Device, Kind, Tensor};
+
+const TOLERANCE: f64 = 1e-4;
+
+fn load(dir: &Path, kind: Kind) -> TargetModel {
+    TargetModel::load(dir, kind, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+fn reference_inputs(case: &Case) -> ModelInputs {
+    let positions = &case.position_ids;
+    ModelInputs {
+        input_ids: case.input_ids.clone(),
+        positions: [positions[0].clone(), positions[1].clone(), positions[2].clone()],
+        rope_delta: case.rope_delta,
+        pixel_values: None,
+        image_grids: vec![],
+    }
+}
+
+/// One prompt forward with every layer tapped: (logits (n, vocab), taps).
+fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
+    let _guard = tch::no_grad_guard();
+    let ids = Tensor::from_slice(&inputs.input_ids);
+    let positions = inputs.positions_tensor();
+    let mut cache = model.new_cache(inputs.input_ids.len());
+    let step = StepInput {
+        token_ids: &ids,
+        positions: &positions,
+        mask: None,
+        vision: None,
+        taps,
+        logits: LogitRows::All,
+    };
+    let out = model.forward(&step, &mut cache).expect("forward");
+    (out.logits.expect("logits"), out.taps)
+}
+
+fn greedy(model: &TargetModel, inputs: &ModelInputs, n: usize) -> Vec<i64> {
+    let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
+    greedy_generate(model, inputs, &params, |_| StepControl::Continue).expect("greedy").tokens
+}
+
+#[test]
+fn logits_and_taps_match_transformers() {
+    let Some(root) = fixtures() else { return };
+    for family in TEXT_FAMILIES {
+        let model = load(&root.join(family), Kind::Float);
+        assert!(!model.family.is_multimodal(), "{family}: loaded as {:?}", model.family);
+        for name in TEXT_CASES {
+            let case = Case::load(&root.join(family), name);
+            let (logits, taps) = prompt_forward(&model, &reference_inputs(&case), &case.tap_layers);
+            let logit_diff = max_abs_diff(&logits, case.tensor("logits"));
+            let tap_diff = case
+                .tap_layers
+                .iter()
+                .zip(&taps)
+                .map(|(layer, tap)| max_abs_diff(tap, case.tensor(&format!("hidden_{layer}"))))
+                .fold(0.0, f64::max);
+            println!("{family}/{name}: logits max|Δ| {logit_diff:.2e}, taps max|Δ| {tap_diff:.2e}");
+            assert!(logit_diff <= TOLERANCE, "{family}/{name}: logits differ by {logit_diff}");
+            assert!(tap_diff <= TOLERANCE, "{family}/{name}: tapped states differ by {tap_diff}");
+        }
+    }
+}
+
+#[test]
+fn greedy_tokens_match_transformers_through_our_pipeline() {
+    let Some(root) = fixtures() else { return };
+    for family in TEXT_FAMILIES {
+        let dir = root.join(family);
+        let model = load(&dir, Kind::Float);
+        let prompts = PromptBuilder::from_model_dir(&dir, PromptOptions::default()).expect("prompt builder");
+        assert!(!prompts.takes_images() && prompts.image_config().is_none());
+        for name in TEXT_CASES {
+            let case = Case::load(&dir, name);
+            let inputs = prompts.build(&case.chat_messages()).expect("prompt").model_inputs();
+            assert_eq!(inputs.input_ids, case.input_ids, "{family}/{name}: input ids");
+            assert_eq!(inputs.positions[0], case.position_ids[0], "{family}/{name}: positions");
+            let tokens = greedy(&model, &inputs, case.greedy_tokens.len());
+            assert_eq!(tokens, case.greedy_tokens, "{family}/{name}: greedy tokens");
+        }
+    }
+}
+
+#[test]
+fn a_text_model_refuses_images_naming_the_field() {
+    let Some(root) = fixtures() else { return };
+    let prompts = PromptBuilder::from_model_dir(&root.join("tiny-llama"), PromptOptions::default()).unwrap();
+    let png = std::fs::read(root.join("tiny-qwen3-vl/reference/images/square.png")).expect("a fixture image");
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: vec![
+            ContentPart::Text("What is this?".into()),
+            ContentPart::Image { data: png, mime_type: String::new() },
+        ],
+    }];
+    let err = prompts.build(&messages).unwrap_err();
+    assert!(matches!(err, InputError::ImagesUnsupported { .. }), "{err:?}");
+    assert!(err.to_string().starts_with("messages[0].content[1].image:"), "{err}");
+    assert!(err.to_string().contains("llama"), "{err}");
+}
+
+/// A copy of `src` (weights linked) whose `config.json` went through `edit`.
+fn edited_copy(src: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let dst = std::env::temp_dir().join(format!("glance-text-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() && path.file_name().unwrap() != "config.json" {
+            std::os::unix::fs::symlink(&path, dst.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(dst.join("config.json"), config.to_string()).unwrap();
+    dst
+}
+
+/// Parity that cannot see a misread config proves nothing: each edit below changes how the
+/// model must run, and the tokens of the longest case must change with it.
+#[test]
+fn config_values_have_teeth() {
+    let Some(root) = fixtures() else { return };
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, &str, Edit); 3] = [
+        ("tiny-llama", "no-llama3-scaling", |c| c["rope_parameters"]["rope_type"] = "default".into()),
+        ("tiny-llama", "theta", |c| c["rope_parameters"]["rope_theta"] = 20000.0.into()),
+        ("tiny-qwen3", "theta", |c| c["rope_parameters"]["rope_theta"] = 2000.0.into()),
+    ];
+    for (family, what, edit) in edits {
+        let case = Case::load(&root.join(family), "long");
+        let dir = edited_copy(&root.join(family), &format!("{family}-{what}"), edit);
+        let tokens = greedy(&load(&dir, Kind::Float), &reference_inputs(&case), case.greedy_tokens.len());
+        assert_ne!(tokens, case.greedy_tokens, "{family}: {what} went unnoticed");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+#[test]
+fn unsupported_configs_fail_at_load_naming_the_key() {
+    let Some(root) = fixtures() else { return };
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, &str, Edit); 2] = [
+        ("yarn", "rope_type", |c| c["rope_parameters"]["rope_type"] = "yarn".into()),
+        ("sliding", "use_sliding_window", |c| c["use_sliding_window"] = true.into()),
+    ];
+    for (what, key, edit) in edits {
+        let dir = edited_copy(&root.join("tiny-qwen3"), what, edit);
+        let err = TargetModel::load(&dir, Kind::Float, Device::Cpu).err().expect("refused");
+        assert!(err.to_string().contains(key), "{what}: {err}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+/// bf16 loads and runs, close to the f32 reference.
+#[test]
+fn bf16_runs_close_to_the_f32_reference() {
+    let Some(root) = fixtures() else { return };
+    for family in TEXT_FAMILIES {
+        let dir = root.join(family);
+        let case = Case::load(&dir, "long");
+        let reference = case.tensor("logits");
+        let scale = reference.abs().max().double_value(&[]);
+        let model = load(&dir, Kind::BFloat16);
+        assert_eq!(model.family, if family == "tiny-llama" { Family::Llama } else { Family::Qwen3 });
+        let (logits, _) = prompt_forward(&model, &reference_inputs(&case), &[]);
+        assert_eq!(logits.kind(), Kind::BFloat16);
+        let diff = max_abs_diff(&logits, reference);
+        println!("{family} bf16: logits max|Δ| {diff:.3} (reference max |logit| {scale:.2})");
+        // The same bound as the VLM families: the strong init amplifies bf16 rounding.
+        assert!(diff.is_finite() && diff < 0.25 * scale, "{family}: bf16 logits off by {diff}");
+    }
+}
