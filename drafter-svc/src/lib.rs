@@ -9,5 +9,6 @@ pub mod head;
 pub mod init;
 pub mod metrics;
 pub mod service;
+pub mod sharegpt;
 pub mod testing;
 pub mod train;

@@ -139,7 +139,8 @@ struct TrainArgs {
     /// Start from this head (default: a fresh one, see --layers / --taps).
     #[arg(long)]
     init: Option<PathBuf>,
-    /// Training prompts: `toyworld` or a JSON-lines file of {"prompt", "image"?}.
+    /// Training prompts: `toyworld`, `sharegpt:PATH` (ShareGPT V3's first human turns, held out
+    /// by conversation id) or a JSON-lines file of {"prompt", "image"?}.
     #[arg(long, default_value = "toyworld")]
     data: String,
     #[arg(long, default_value_t = 2000)]
@@ -164,9 +165,12 @@ struct TrainArgs {
     eval_every: usize,
     #[arg(long, default_value_t = 500)]
     checkpoint_every: usize,
-    /// Continue from the state in --out.
+    /// Continue from the state in --out (the regenerated rows are reused either way).
     #[arg(long)]
     resume: bool,
+    /// Text-only prompts regenerated together by padded, batched greedy decoding.
+    #[arg(long, default_value_t = 16)]
+    regen_batch: usize,
     /// The fresh head's shape (without --init).
     #[command(flatten)]
     shape: HeadShapeArgs,
@@ -298,10 +302,7 @@ fn train(args: TrainArgs) -> Result<(), String> {
         tch::set_num_threads(threads);
     }
     let device = parse_device(&args.device).ok_or_else(|| format!("--device {:?}", args.device))?;
-    let data = match args.data.as_str() {
-        "toyworld" => DataSource::ToyWorld { seed: args.seed },
-        path => DataSource::JsonLines(PathBuf::from(path)),
-    };
+    let data = DataSource::parse(&args.data, args.seed);
     let fresh = args.shape.spec(args.seed);
     let config = TrainConfig {
         target: args.target,
@@ -322,6 +323,7 @@ fn train(args: TrainArgs) -> Result<(), String> {
         resume: args.resume,
         seed: args.seed,
         device,
+        regen_batch: args.regen_batch,
     };
     tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
         .map(|_| ())

@@ -1,6 +1,7 @@
 //! `drafter-svc train`: trains the block draft head on a target's own states, for any supported
 //! target, CPU or CUDA (glance.md §3.2, the DFlash recipe GLANCE follows):
-//! 1. the responses are regenerated with the target's own greedy decoding;
+//! 1. the responses are regenerated with the target's own greedy decoding (text-only prompts in
+//!    padded batches), cached on disk so a resumed run does not redo them;
 //! 2. one teacher-forced target pass per row gives the tap states;
 //! 3. each step samples anchors among a row's response positions; each block sees the context
 //!    strictly before its anchor and its own block bidirectionally;
@@ -46,6 +47,21 @@ pub enum DataSource {
     ToyWorld { seed: u64 },
     /// JSON lines `{"prompt": "...", "image": "path"?}` (image paths relative to the file).
     JsonLines(PathBuf),
+    /// ShareGPT V3's first human turns, held out by conversation id (see [`crate::sharegpt`]).
+    ShareGpt(PathBuf),
+}
+
+impl DataSource {
+    /// `toyworld`, `sharegpt:PATH`, or a JSON-lines path (the `--data` spelling).
+    pub fn parse(spec: &str, seed: u64) -> Self {
+        match spec {
+            "toyworld" => Self::ToyWorld { seed },
+            _ => match spec.strip_prefix("sharegpt:") {
+                Some(path) => Self::ShareGpt(PathBuf::from(path)),
+                None => Self::JsonLines(PathBuf::from(spec)),
+            },
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -70,6 +86,8 @@ pub struct TrainConfig {
     pub resume: bool,
     pub seed: u64,
     pub device: Device,
+    /// Text-only prompts whose responses are regenerated together (padded, batched greedy).
+    pub regen_batch: usize,
 }
 
 /// A training row: the full sequence (prompt + the target's greedy response), where the response
@@ -102,17 +120,16 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
         "regenerating {} training and {} held-out rows with the target",
         config.rows, config.held_out_rows
     ));
-    let train_rows =
-        build_rows(&target, &prompts, &config.data, false, config.rows, config.max_new_tokens, &taps)?;
-    let held_out = build_rows(
-        &target,
-        &prompts,
-        &config.data,
-        true,
-        config.held_out_rows,
-        config.max_new_tokens,
-        &taps,
-    )?;
+    let builder = RowBuilder {
+        target: &target,
+        prompts: &prompts,
+        max_new_tokens: config.max_new_tokens,
+        taps: &taps,
+        cache: config.out.join("regenerated.jsonl"),
+        batch: config.regen_batch,
+    };
+    let train_rows = builder.build(&config.data, false, config.rows)?;
+    let held_out = builder.build(&config.data, true, config.held_out_rows)?;
     let mut ckpt = Checkpoint::open(&head_dir, Kind::Float, config.device)
         .map_err(|e| TrainError::Head(e.into()))?
         .into_trainable();
@@ -217,7 +234,16 @@ fn prompts_of(
                 .collect())
         }
         DataSource::JsonLines(path) => json_lines(path, held_out, count),
+        DataSource::ShareGpt(path) => {
+            let corpus = crate::sharegpt::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
+            let split = if held_out { corpus.held_out } else { corpus.train };
+            Ok(split.into_iter().take(count).map(|p| user_message(p.text)).collect())
+        }
     }
+}
+
+fn user_message(text: String) -> Vec<ChatMessage> {
+    vec![ChatMessage { role: "user".into(), content: vec![glance_input::ContentPart::Text(text)] }]
 }
 
 /// JSON lines: the first `count` non-held-out lines, or (held out) every tenth line.
@@ -249,24 +275,128 @@ fn json_lines(path: &Path, held_out: bool, count: usize) -> Result<Vec<Vec<ChatM
 }
 
 /// Regenerates each prompt's response with greedy decoding, then runs one teacher-forced pass over
-/// prompt + response for the tap states.
-fn build_rows(
+/// prompt + response for the tap states. The regenerated token rows (the expensive part) are kept
+/// in `cache` as JSON lines, so a resumed or repeated run only recomputes the states.
+struct RowBuilder<'a> {
+    target: &'a TargetModel,
+    prompts: &'a PromptBuilder,
+    max_new_tokens: usize,
+    taps: &'a [usize],
+    cache: PathBuf,
+    /// Text-only prompts regenerated together (one target pass per step for all).
+    batch: usize,
+}
+
+impl RowBuilder<'_> {
+    fn build(&self, source: &DataSource, held_out: bool, count: usize) -> Result<Vec<Row>, TrainError> {
+        let mut inputs = Vec::with_capacity(count);
+        for messages in prompts_of(source, held_out, count)? {
+            let prompt = self.prompts.build(&messages).map_err(|e| TrainError::Data(e.to_string()))?;
+            inputs.push(prompt.model_inputs());
+        }
+        let responses = self.responses(&inputs)?;
+        let bar = progress_bar(inputs.len(), 0);
+        let mut rows = Vec::with_capacity(inputs.len());
+        for (inputs, response) in inputs.iter().zip(responses) {
+            let _no_grad = tch::no_grad_guard();
+            let states = teacher_forced_states(self.target, inputs, &response, self.taps)?;
+            let tokens = inputs.input_ids.iter().chain(&response).copied().collect();
+            rows.push(Row { tokens, response_start: inputs.input_ids.len(), states });
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        Ok(rows)
+    }
+
+    /// Each prompt's greedy response: from the cache, else regenerated (text-only prompts
+    /// `batch` at a time) and appended to it.
+    fn responses(&self, inputs: &[ModelInputs]) -> Result<Vec<Vec<i64>>, TrainError> {
+        let mut known = read_row_cache(&self.cache)?;
+        let keys: Vec<String> = inputs.iter().map(|i| CachedRow::key(&i.input_ids, self.max_new_tokens)).collect();
+        let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !known.contains_key(&keys[i])).collect();
+        let bar = progress_bar(missing.len(), 0);
+        for chunk in missing.chunks(self.batch.max(1)) {
+            let text_only = chunk.iter().all(|&i| inputs[i].pixel_values.is_none());
+            let responses = if text_only && chunk.len() > 1 {
+                let batch: Vec<&ModelInputs> = chunk.iter().map(|&i| &inputs[i]).collect();
+                regenerate_batch(self.target, self.prompts, &batch, self.max_new_tokens)?
+            } else {
+                let single = |&i: &usize| regenerate(self.target, self.prompts, &inputs[i], self.max_new_tokens);
+                chunk.iter().map(single).collect::<Result<Vec<_>, _>>()?
+            };
+            for (&i, response) in chunk.iter().zip(responses) {
+                append_row_cache(&self.cache, &keys[i], &response)?;
+                known.insert(keys[i].clone(), response);
+            }
+            bar.inc(chunk.len() as u64);
+        }
+        bar.finish_and_clear();
+        Ok(keys.iter().map(|k| known[k].clone()).collect())
+    }
+}
+
+/// One line of the regenerated-rows cache: the prompt's ids (with the token limit) as the key.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CachedRow {
+    key: String,
+    response: Vec<i64>,
+}
+
+impl CachedRow {
+    fn key(prompt_ids: &[i64], max_new_tokens: usize) -> String {
+        let ids: Vec<String> = prompt_ids.iter().map(i64::to_string).collect();
+        format!("{max_new_tokens}:{}", ids.join(","))
+    }
+}
+
+fn read_row_cache(path: &Path) -> Result<std::collections::HashMap<String, Vec<i64>>, TrainError> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(Default::default()) };
+    // A line cut short by an interrupted run is dropped (its row is regenerated).
+    Ok(text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<CachedRow>(line).ok())
+        .map(|row| (row.key, row.response))
+        .collect())
+}
+
+fn append_row_cache(path: &Path, key: &str, response: &[i64]) -> Result<(), TrainError> {
+    use std::io::Write;
+    let row = CachedRow { key: key.to_string(), response: response.to_vec() };
+    let line = serde_json::to_string(&row).map_err(|e| TrainError::Data(e.to_string()))?;
+    let io = |e: std::io::Error| TrainError::Data(format!("{}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(io)?;
+    writeln!(file, "{line}").map_err(io)
+}
+
+/// The target's greedy responses to text-only prompts, decoded as one batch.
+fn regenerate_batch(
     target: &TargetModel,
     prompts: &PromptBuilder,
-    source: &DataSource,
-    held_out: bool,
-    count: usize,
+    inputs: &[&ModelInputs],
     max_new_tokens: usize,
-    taps: &[usize],
-) -> Result<Vec<Row>, TrainError> {
-    let bar = progress_bar(count, 0);
-    let mut rows = Vec::with_capacity(count);
-    for messages in prompts_of(source, held_out, count)? {
-        rows.push(row_for(target, prompts, &messages, max_new_tokens, taps)?);
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    Ok(rows)
+) -> Result<Vec<Vec<i64>>, TrainError> {
+    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
+    glance_models::decode::greedy_generate_batch(target, inputs, &params)
+        .map_err(|e| TrainError::Target(e.to_string()))
+}
+
+/// The target's greedy response to a prompt, up to EOS or `max_new_tokens`.
+fn regenerate(
+    target: &TargetModel,
+    prompts: &PromptBuilder,
+    inputs: &ModelInputs,
+    max_new_tokens: usize,
+) -> Result<Vec<i64>, TrainError> {
+    let _no_grad = tch::no_grad_guard();
+    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
+    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
+    let generation = greedy_generate(target, inputs, &params, |_| StepControl::Continue)
+        .map_err(|e| TrainError::Target(e.to_string()))?;
+    Ok(generation.tokens)
 }
 
 /// Tap states of prompt + response, (n, taps·hidden): the prompt's prefill (with its images),
@@ -336,15 +466,12 @@ pub fn row_for(
     taps: &[usize],
 ) -> Result<Row, TrainError> {
     let _no_grad = tch::no_grad_guard();
-    let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     let prompt = prompts.build(messages).map_err(|e| TrainError::Data(e.to_string()))?;
     let inputs = prompt.model_inputs();
-    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
-    let generation = greedy_generate(target, &inputs, &params, |_| StepControl::Continue)
-        .map_err(|e| TrainError::Target(e.to_string()))?;
-    let states = teacher_forced_states(target, &inputs, &generation.tokens, taps)?;
+    let response = regenerate(target, prompts, &inputs, max_new_tokens)?;
+    let states = teacher_forced_states(target, &inputs, &response, taps)?;
     Ok(Row {
-        tokens: inputs.input_ids.iter().chain(&generation.tokens).copied().collect(),
+        tokens: inputs.input_ids.iter().chain(&response).copied().collect(),
         response_start: inputs.input_ids.len(),
         states,
     })

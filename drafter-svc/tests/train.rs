@@ -87,6 +87,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
         resume: false,
         seed: 0,
         device: Device::Cpu,
+        regen_batch: 4,
     };
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
@@ -100,4 +101,56 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     let tree =
         session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4 }).unwrap();
     assert_eq!(tree.len(), 15);
+}
+
+/// Training on ShareGPT-shaped data for a text-only target: the regenerated responses are cached
+/// beside the head, so a second run (here: a resumed one with more steps) regenerates nothing.
+#[test]
+fn sharegpt_rows_are_regenerated_once_and_cached() {
+    let Some(vlm) = target_dir() else { return };
+    let target = vlm.with_file_name("tiny-llama");
+    let out = scratch("sharegpt");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let data = out.join("sharegpt.json");
+    let record = |i: usize| {
+        let question = format!("Question {i}: describe the red square and the blue circle, please.");
+        serde_json::json!({"id": format!("c{i}_0"), "conversations": [
+            {"from": "human", "value": question}, {"from": "gpt", "value": "An answer."}
+        ]})
+    };
+    let records: Vec<serde_json::Value> = (0..60).map(record).collect();
+    let text = serde_json::to_string(&records).unwrap();
+    std::fs::write(&data, &text[..text.len() - 20]).unwrap(); // cut off mid-record, as in the wheel
+    let mut config = TrainConfig {
+        target: target.clone(),
+        out: out.join("head"),
+        init: None,
+        fresh: HeadSpec { tap_layers: Some(vec![0, 1, 2]), ..HeadSpec::new(1, 16, 0) },
+        data: DataSource::parse(&format!("sharegpt:{}", data.display()), 0),
+        rows: 4,
+        held_out_rows: 2,
+        max_new_tokens: 12,
+        steps: 4,
+        anchors: 4,
+        peak_lr: 1e-3,
+        warmup_ratio: 0.1,
+        gamma: 7.0,
+        eval_every: 0,
+        checkpoint_every: 4,
+        resume: false,
+        seed: 0,
+        device: Device::Cpu,
+        regen_batch: 4,
+    };
+    let first = train(&config, |_| {}).unwrap();
+    let cache = config.out.join("regenerated.jsonl");
+    let cached = std::fs::read_to_string(&cache).expect("the regenerated rows are cached");
+    assert_eq!(cached.lines().count(), 6, "4 training + 2 held-out rows");
+    config.resume = true;
+    config.steps = 8;
+    let second = train(&config, |_| {}).unwrap();
+    assert_eq!(std::fs::read_to_string(&cache).unwrap(), cached, "a resumed run regenerated rows");
+    assert_eq!(first.anchors, second.anchors, "the same held-out rows");
+    std::fs::remove_dir_all(out).ok();
 }

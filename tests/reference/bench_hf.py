@@ -4,7 +4,11 @@ compared against).
 
 Usage:
   .venv/bin/python tests/reference/bench_hf.py --model DIR --case CASE_JSON \
-      [--max-new-tokens 64] [--runs 3] [--threads 2]
+      [--max-new-tokens 64] [--runs 3] [--threads 2] [--dtype float32]
+  .venv/bin/python tests/reference/bench_hf.py --model TEXT_MODEL_DIR --prompt TEXT ...
+
+A text-only model (Llama, Qwen3) takes --prompt: one user message through the tokenizer's chat
+template, as the Rust side builds it.
 
 Loads the model dir with transformers (float32, sdpa attention by default, PIL image processor), renders the
 case's messages through the chat template and the processor (image paths are relative to the case
@@ -42,7 +46,8 @@ def model_inputs(inputs) -> dict:
 
 @torch.no_grad()
 def timed_generate(model, inputs, n: int) -> tuple[float, int]:
-    model.model.rope_deltas = None
+    if hasattr(model.model, "rope_deltas"):
+        model.model.rope_deltas = None
     t0 = time.perf_counter()
     out = model.generate(**model_inputs(inputs), **hf_common.no_eos_generation_kwargs(model, n))
     dt = time.perf_counter() - t0
@@ -52,7 +57,9 @@ def timed_generate(model, inputs, n: int) -> tuple[float, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path, help="HF model dir (e.g. .../tiny-qwen3-vl)")
-    ap.add_argument("--case", required=True, type=Path, help="reference case JSON (messages with image paths)")
+    ap.add_argument("--case", type=Path, help="reference case JSON (messages with image paths)")
+    ap.add_argument("--prompt", help="a text model's user message (instead of --case)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -70,10 +77,23 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
-    case = json.loads(args.case.read_text())
-    model = hf_common.load_model(args.model, attn_implementation=args.attn)
-    processor = hf_common.load_processor(args.model)
-    _, inputs = hf_common.prepare_inputs(processor, case["messages"], args.case.parent)
+    if args.prompt is not None:
+        case = {"case": "prompt"}
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), attn_implementation=args.attn
+        ).eval()
+        messages = [{"role": "user", "content": args.prompt}]
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+    else:
+        if args.dtype != "float32":
+            ap.error("--dtype applies to a text model (--prompt)")
+        case = json.loads(args.case.read_text())
+        model = hf_common.load_model(args.model, attn_implementation=args.attn)
+        processor = hf_common.load_processor(args.model)
+        _, inputs = hf_common.prepare_inputs(processor, case["messages"], args.case.parent)
     n = args.max_new_tokens
 
     # warm-up (also checks that EOS is really disabled)
@@ -104,9 +124,9 @@ def main(argv=None) -> int:
                 "t_first_ms_runs": [round(x * 1000.0, 3) for x in t1s],
                 "t_total_ms_runs": [round(x * 1000.0, 3) for x in tns],
                 "model": str(args.model),
-                "case": case.get("case", args.case.stem),
+                "case": case.get("case", args.case.stem if args.case else "prompt"),
                 "attn_implementation": args.attn,
-                "dtype": "float32",
+                "dtype": args.dtype,
                 "transformers_version": transformers.__version__,
                 "torch_version": torch.__version__,
             }

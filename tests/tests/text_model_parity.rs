@@ -186,3 +186,31 @@ fn bf16_runs_close_to_the_f32_reference() {
         assert!(diff.is_finite() && diff < 0.25 * scale, "{family}: bf16 logits off by {diff}");
     }
 }
+
+/// Batched greedy decoding (left-padded prompts of different lengths, one pass per step for all)
+/// gives every prompt transformers' own greedy tokens, in f32.
+#[test]
+fn batched_greedy_equals_the_reference_per_prompt() {
+    let Some(root) = fixtures() else { return };
+    for family in TEXT_FAMILIES {
+        let dir = root.join(family);
+        let model = load(&dir, Kind::Float);
+        let cases: Vec<Case> = TEXT_CASES.iter().map(|name| Case::load(&dir, name)).collect();
+        let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
+        let lengths: Vec<usize> = inputs.iter().map(|i| i.input_ids.len()).collect();
+        assert!(lengths.iter().any(|&l| l != lengths[0]), "the batch needs padding: {lengths:?}");
+        let params = GreedyParams { max_new_tokens: 32, eos_token_ids: &[], context_limit: 1 << 20 };
+        let batched = glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched");
+        for (case, tokens) in cases.iter().zip(&batched) {
+            assert_eq!(tokens, &case.greedy_tokens, "{family}/{}: batched greedy", case.case);
+        }
+        // An EOS ends one sequence early without touching the others.
+        let eos = [cases[0].greedy_tokens[3]];
+        let params = GreedyParams { max_new_tokens: 32, eos_token_ids: &eos, context_limit: 1 << 20 };
+        let stopped = glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched");
+        for (case, tokens) in cases.iter().zip(&stopped) {
+            let end = case.greedy_tokens.iter().position(|t| *t == eos[0]).map_or(32, |p| p + 1);
+            assert_eq!(tokens[..], case.greedy_tokens[..end], "{family}/{}: EOS", case.case);
+        }
+    }
+}

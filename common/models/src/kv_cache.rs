@@ -1,7 +1,8 @@
-//! A preallocated key/value cache for batch-1 decoding.
+//! A preallocated key/value cache: batch 1 for serving (one generation per engine), a batch of
+//! sequences that advance together for batched greedy decoding (training data regeneration).
 //!
-//! One buffer (layers, 2, kv_heads, capacity, head_dim) holds every layer's K and V; the first
-//! `len` rows are live. Appending writes in place, truncating only moves `len`, and
+//! One buffer (layers, 2, batch, kv_heads, capacity, head_dim) holds every layer's K and V; the
+//! first `len` rows are live. Appending writes in place, truncating only moves `len`, and
 //! [`KvCache::keep_rows`] compacts a verified tree to its committed path in place with one gather
 //! over all layers, so no step reallocates.
 
@@ -16,19 +17,36 @@ pub enum CacheError {
 }
 
 pub struct KvCache {
-    /// (layers, 2, kv_heads, capacity, head_dim): K at [l, 0], V at [l, 1]. `None` in a
+    /// (layers, 2, batch, kv_heads, capacity, head_dim): K at [l, 0], V at [l, 1]. `None` in a
     /// training cache, whose layers are separate tensors.
     buffer: Option<Tensor>,
-    /// (kv_heads, capacity, head_dim) per layer: views of `buffer`, or tensors of their own.
+    /// (batch, kv_heads, capacity, head_dim) per layer: views of `buffer`, or tensors of their own.
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: usize,
     capacity: usize,
 }
 
+/// The position axis of a layer's (batch, kv_heads, capacity, head_dim) K or V.
+const POSITION_AXIS: i64 = 2;
+
 impl KvCache {
+    /// A batch-1 cache.
     pub fn new(
         layers: usize,
+        kv_heads: i64,
+        head_dim: i64,
+        capacity: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
+        Self::batched(layers, 1, kv_heads, head_dim, capacity, kind, device)
+    }
+
+    /// A cache for `batch` sequences that advance together (left-padded to one length).
+    pub fn batched(
+        layers: usize,
+        batch: usize,
         kv_heads: i64,
         head_dim: i64,
         capacity: usize,
@@ -38,7 +56,8 @@ impl KvCache {
         // Uninitialized: only rows already written are ever read (every view is `[..len]`), and a
         // drafter session's cache is sized for its whole context limit (tens of MB), whose
         // zero-fill would cost every request several milliseconds.
-        let buffer = Tensor::empty([layers as i64, 2, kv_heads, capacity as i64, head_dim], (kind, device));
+        let shape = [layers as i64, 2, batch as i64, kv_heads, capacity as i64, head_dim];
+        let buffer = Tensor::empty(shape, (kind, device));
         let view = |layer: usize, which: i64| buffer.select(0, layer as i64).select(0, which);
         Self {
             keys: (0..layers).map(|l| view(l, 0)).collect(),
@@ -60,7 +79,7 @@ impl KvCache {
         kind: Kind,
         device: Device,
     ) -> Self {
-        let alloc = || Tensor::empty([kv_heads, capacity as i64, head_dim], (kind, device));
+        let alloc = || Tensor::empty([1, kv_heads, capacity as i64, head_dim], (kind, device));
         Self {
             keys: (0..layers).map(|_| alloc()).collect(),
             values: (0..layers).map(|_| alloc()).collect(),
@@ -83,6 +102,11 @@ impl KvCache {
         self.capacity
     }
 
+    /// Sequences held (1 unless [`KvCache::batched`]).
+    pub fn batch(&self) -> usize {
+        self.keys.first().map_or(1, |k| k.size()[0] as usize)
+    }
+
     /// Fails before a forward pass that would not fit, so nothing is half-applied.
     pub fn ensure_room(&self, new_rows: usize) -> Result<(), CacheError> {
         let needed = self.len + new_rows;
@@ -92,15 +116,23 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes `n` new rows of layer `layer` at `len..len+n` and returns the live K and V including
-    /// them, each (kv_heads, len+n, head_dim). `k`, `v`: (kv_heads, n, head_dim).
-    /// The cache length itself advances once per forward pass, in [`KvCache::advance`].
+    /// Writes `n` new rows of layer `layer` of a batch-1 cache at `len..len+n` and returns the
+    /// live K and V including them, each (kv_heads, len+n, head_dim). `k`, `v`: (kv_heads, n,
+    /// head_dim). The cache length itself advances once per forward pass, in [`KvCache::advance`].
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
-        let n = k.size()[1];
+        let (keys, values) = self.write_batch(layer, &k.unsqueeze(0), &v.unsqueeze(0));
+        (keys.squeeze_dim(0), values.squeeze_dim(0))
+    }
+
+    /// [`KvCache::write`] for every sequence of the batch: `k`, `v` (batch, kv_heads, n,
+    /// head_dim); returns (batch, kv_heads, len+n, head_dim) each.
+    pub fn write_batch(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+        let n = k.size()[2];
         let start = self.len as i64;
-        self.keys[layer].narrow(1, start, n).copy_(k);
-        self.values[layer].narrow(1, start, n).copy_(v);
-        (self.keys[layer].narrow(1, 0, start + n), self.values[layer].narrow(1, 0, start + n))
+        self.keys[layer].narrow(POSITION_AXIS, start, n).copy_(k);
+        self.values[layer].narrow(POSITION_AXIS, start, n).copy_(v);
+        let live = |t: &Tensor| t.narrow(POSITION_AXIS, 0, start + n);
+        (live(&self.keys[layer]), live(&self.values[layer]))
     }
 
     /// Commits the rows written by the last forward pass.
@@ -135,8 +167,8 @@ impl KvCache {
                 buffer.narrow(axis, start, rows).copy_(&moved);
             };
             match &self.buffer {
-                Some(stacked) => compact(stacked, 3),
-                None => self.keys.iter().chain(&self.values).for_each(|b| compact(b, 1)),
+                Some(stacked) => compact(stacked, POSITION_AXIS + 2),
+                None => self.keys.iter().chain(&self.values).for_each(|b| compact(b, POSITION_AXIS)),
             }
         }
         self.len = start + keep.len();
@@ -149,8 +181,8 @@ mod tests {
     use super::*;
 
     fn rows(cache: &KvCache, layer: usize) -> Vec<f32> {
-        let live = cache.keys[layer].narrow(1, 0, cache.len() as i64);
-        Vec::<f32>::try_from(live.select(0, 0).select(1, 0).contiguous()).unwrap()
+        let live = cache.keys[layer].narrow(POSITION_AXIS, 0, cache.len() as i64);
+        Vec::<f32>::try_from(live.select(0, 0).select(0, 0).select(1, 0).contiguous()).unwrap()
     }
 
     fn append(cache: &mut KvCache, values: &[f32]) {

@@ -290,15 +290,24 @@ impl TextModel {
         KvCache::new(c.num_layers, c.num_kv_heads, c.head_dim, capacity, kind, device)
     }
 
+    /// A cache for `batch` sequences decoded together (see [`KvCache::batched`]).
+    pub fn new_batched_cache(&self, batch: usize, capacity: usize, kind: Kind, device: Device) -> KvCache {
+        let c = &self.config;
+        KvCache::batched(c.num_layers, batch, c.num_kv_heads, c.head_dim, capacity, kind, device)
+    }
+
     /// A cache for a pass with gradients (see [`KvCache::for_training`]).
     pub fn new_training_cache(&self, capacity: usize, kind: Kind, device: Device) -> KvCache {
         let c = &self.config;
         KvCache::for_training(c.num_layers, c.num_kv_heads, c.head_dim, capacity, kind, device)
     }
 
+    /// One pass over `n` new positions of each sequence in `cache` (batch 1 when serving; a
+    /// [`KvCache::batched`] cache takes the sequences' rows one after the other, `batch·n` in all).
     pub fn forward(&self, input: &StepInput, cache: &mut KvCache) -> Result<StepOutput, ModelError> {
-        let n = input.token_ids.size()[0];
-        check_step_shapes(input, n, cache.len() as i64, self.config.num_layers)?;
+        let batch = cache.batch() as i64;
+        let n = input.token_ids.size()[0] / batch;
+        check_step_shapes(input, batch, cache.len() as i64, self.config.num_layers)?;
         cache.ensure_room(n as usize)?;
         let mut hidden = self.embed_tokens.index_select(0, input.token_ids);
         let image_rows = match input.vision {
@@ -330,7 +339,8 @@ impl TextModel {
         record_taps(&mut taps, input.taps, last_layer, &normed);
         let logits = match input.logits {
             LogitRows::All => Some(self.lm_head.forward(&normed)),
-            LogitRows::Last => Some(self.lm_head.forward(&normed.narrow(0, n - 1, 1))),
+            // Each sequence's last row: (batch, vocab).
+            LogitRows::Last => Some(self.lm_head.forward(&normed.view([batch, n, -1]).select(1, n - 1))),
             LogitRows::None => None,
         };
         let taps = taps.into_iter().map(|t| t.expect("every tap index was validated")).collect();
@@ -376,16 +386,19 @@ fn record_taps(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, hidd
     }
 }
 
-fn check_step_shapes(input: &StepInput, n: i64, past: i64, layers: usize) -> Result<(), ModelError> {
-    if n == 0 {
-        return Err(ModelError::Input("a forward pass needs at least one token".into()));
+fn check_step_shapes(input: &StepInput, batch: i64, past: i64, layers: usize) -> Result<(), ModelError> {
+    let rows = input.token_ids.size()[0];
+    if rows == 0 || rows % batch != 0 {
+        return Err(ModelError::Input(format!("{rows} token rows for a batch of {batch} (at least one each)")));
     }
-    if input.positions.size() != [3, n] {
-        return Err(ModelError::Input(format!("positions {:?}, expected [3, {n}]", input.positions.size())));
+    let n = rows / batch;
+    if input.positions.size() != [3, rows] {
+        return Err(ModelError::Input(format!("positions {:?}, expected [3, {rows}]", input.positions.size())));
     }
     if let Some(mask) = input.mask {
-        if mask.size() != [n, past + n] {
-            return Err(ModelError::Input(format!("mask {:?}, expected [{n}, {}]", mask.size(), past + n)));
+        let expected = if batch == 1 { vec![n, past + n] } else { vec![batch, n, past + n] };
+        if mask.size() != expected {
+            return Err(ModelError::Input(format!("mask {:?}, expected {expected:?}", mask.size())));
         }
     }
     if let Some(&bad) = input.taps.iter().find(|&&t| t >= layers) {
@@ -462,7 +475,8 @@ impl Attention {
         })
     }
 
-    /// x: (n, hidden) → (n, hidden). New K/V rows go into the cache at its current length.
+    /// x: (batch·n, hidden) → (batch·n, hidden), the cache's sequences one after the other. New
+    /// K/V rows go into the cache at its current length.
     fn forward(
         &self,
         x: &Tensor,
@@ -471,32 +485,35 @@ impl Attention {
         layer: usize,
         cache: &mut KvCache,
     ) -> Tensor {
-        let n = x.size()[0];
-        let (heads, kv_heads) = (self.num_heads, self.num_kv_heads);
-        let qkv = self.qkv_proj.forward(x).view([n, heads + 2 * kv_heads, self.head_dim]);
+        let (rows, batch) = (x.size()[0], cache.batch() as i64);
+        let n = rows / batch;
+        let (heads, kv_heads, head_dim) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let qkv = self.qkv_proj.forward(x).view([rows, heads + 2 * kv_heads, head_dim]);
         // q and k heads are normalized (Qwen3) and rotated together: one call each, not two.
         let qk = qkv.narrow(1, 0, heads + kv_heads);
         let qk = match &self.qk_norm {
             Some(norms) => norms.forward(&qk),
             None => qk,
         };
-        let qk = rotary.apply(&qk).transpose(0, 1); // (heads + kv_heads, n, head_dim)
-        let q = qk.narrow(0, 0, heads);
-        let k = qk.narrow(0, heads, kv_heads);
-        let v = qkv.narrow(1, heads + kv_heads, kv_heads).transpose(0, 1);
-        let (keys, values) = cache.write(layer, &k, &v);
+        let by_sequence = |t: Tensor, width: i64| t.view([batch, n, width, head_dim]).transpose(1, 2);
+        let qk = by_sequence(rotary.apply(&qk), heads + kv_heads); // (batch, heads + kv_heads, n, head_dim)
+        let q = qk.narrow(1, 0, heads);
+        let k = qk.narrow(1, heads, kv_heads);
+        let v = by_sequence(qkv.narrow(1, heads + kv_heads, kv_heads), kv_heads);
+        let (keys, values) = cache.write_batch(layer, &k, &v);
         let causal = mask.is_none() && n > 1;
         let out = Tensor::scaled_dot_product_attention(
-            &q.unsqueeze(0),
-            &keys.unsqueeze(0),
-            &values.unsqueeze(0),
-            mask.map(|m| m.view([1, 1, n, -1])),
+            &q,
+            &keys,
+            &values,
+            // (n, context) for batch 1, (batch, n, context) for a batch.
+            mask.map(|m| m.view([-1, 1, n, m.size()[m.dim() - 1]])),
             0.0,
             causal,
             None,
-            self.num_heads != self.num_kv_heads,
-        ); // (1, heads, n, head_dim)
-        let out = out.squeeze_dim(0).transpose(0, 1).contiguous().view([n, self.num_heads * self.head_dim]);
+            heads != kv_heads,
+        ); // (batch, heads, n, head_dim)
+        let out = out.transpose(1, 2).contiguous().view([rows, heads * head_dim]);
         self.o_proj.forward(&out)
     }
 }

@@ -1,12 +1,13 @@
 //! Benchmark: greedy decode tokens/s of our tch target vs Hugging Face transformers' `generate` on
-//! the same tiny checkpoint and prompt, measured side by side in one run and printed as a ratio.
-//! Alternates the two implementations so drift on a shared machine hits both alike.
+//! the same checkpoint and prompt (a reference case of a tiny VLM, or `--prompt` for a text model
+//! such as the real SmolLM2), in f32 or bf16, measured side by side in one run and printed as a
+//! ratio. Alternates the two implementations so drift on a shared machine hits both alike.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Parser;
-use glance_input::{PromptBuilder, PromptOptions};
+use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
 use glance_models::TargetModel;
 use glance_tests::Case;
@@ -20,6 +21,12 @@ struct Args {
     /// Reference case whose messages are the prompt.
     #[arg(long, default_value = "one_image")]
     case: String,
+    /// A text model's user message (instead of --case).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// `f32` or `bf16` (both implementations).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// Measured rounds; each round times both implementations.
@@ -36,11 +43,15 @@ fn main() {
         glance_tests::fixtures().expect("no fixtures: run scripts/setup.sh").join("tiny-qwen3-vl")
     });
     tch::set_num_threads(args.threads);
-    let case = Case::load(&model_dir, &args.case);
+    let messages = match &args.prompt {
+        Some(text) => vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.clone())] }],
+        None => Case::load(&model_dir, &args.case).chat_messages(),
+    };
     let prompts =
         PromptBuilder::from_model_dir(&model_dir, PromptOptions::default()).expect("prompt builder");
-    let model = TargetModel::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
-    let prompt = prompts.build(&case.chat_messages()).expect("prompt");
+    let kind = glance_models::weights::parse_kind(&args.dtype).expect("--dtype f32 or bf16");
+    let model = TargetModel::load(&model_dir, kind, tch::Device::Cpu).expect("model");
+    let prompt = prompts.build(&messages).expect("prompt");
     let inputs = prompt.model_inputs();
     let params =
         GreedyParams { max_new_tokens: args.max_new_tokens, eos_token_ids: &[], context_limit: 1 << 20 };
@@ -66,7 +77,8 @@ fn main() {
         "{}",
         serde_json::json!({
             "model": model_dir.file_name().map(|n| n.to_string_lossy().into_owned()),
-            "case": args.case,
+            "case": if args.prompt.is_some() { "prompt" } else { args.case.as_str() },
+            "dtype": args.dtype,
             "new_tokens": args.max_new_tokens,
             "threads": args.threads,
             "glance_tokens_per_s": glance,
@@ -83,13 +95,15 @@ fn main() {
 /// Runs `tests/reference/bench_hf.py` once and reads its decode tokens/s.
 fn hf_rate(model_dir: &std::path::Path, args: &Args) -> f64 {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("reference/bench_hf.py");
-    let case_json = model_dir.join("reference").join(format!("{}.json", args.case));
-    let output = Command::new("python")
-        .arg(&script)
-        .arg("--model")
-        .arg(model_dir)
-        .arg("--case")
-        .arg(&case_json)
+    let mut command = Command::new("python");
+    command.arg(&script).arg("--model").arg(model_dir);
+    match &args.prompt {
+        Some(text) => command.args(["--prompt", text]),
+        None => command.arg("--case").arg(model_dir.join("reference").join(format!("{}.json", args.case))),
+    };
+    let dtype = if args.dtype == "bf16" { "bfloat16" } else { "float32" };
+    let output = command
+        .args(["--dtype", dtype])
         .args(["--max-new-tokens", &args.max_new_tokens.to_string(), "--runs", "1"])
         .args(["--threads", &args.threads.to_string()])
         .output()
