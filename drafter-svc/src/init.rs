@@ -35,7 +35,8 @@ pub struct HeadSpec {
     /// Default: DFlash's tap rule for this target's depth and `layers`.
     pub tap_layers: Option<Vec<usize>>,
     /// Default: the target tokenizer's `<|vision_pad|>`, a reserved token the Qwen-VL processors
-    /// never emit.
+    /// never emit; for a tokenizer without it, its last added special token that is none of
+    /// BOS, EOS, pad or unk (SmolLM2's `<empty_output>`).
     pub mask_token_id: Option<i64>,
     pub seed: u64,
     /// Default: the target's MLP width.
@@ -83,7 +84,7 @@ pub fn write_random_head(
     }
     let mask = match spec.mask_token_id {
         Some(id) => id,
-        None => vision_pad_id(target_dir)?,
+        None => reserved_token_id(target_dir)?,
     };
     if !(0..target.vocab_size).contains(&mask) {
         return Err(InitError::Spec(format!(
@@ -119,16 +120,41 @@ fn check_spec(spec: &HeadSpec, target: &TextConfig) -> Result<(), InitError> {
     Ok(())
 }
 
-/// The id of `<|vision_pad|>` among the target tokenizer's added tokens.
-fn vision_pad_id(target_dir: &Path) -> Result<i64, InitError> {
-    const TOKEN: &str = "<|vision_pad|>";
+/// A token the target never produces, for the mask: `<|vision_pad|>` among the tokenizer's added
+/// tokens, else the last added special token that is not one the tokenizer config names (BOS,
+/// EOS, pad, unk).
+fn reserved_token_id(target_dir: &Path) -> Result<i64, InitError> {
+    const VISION_PAD: &str = "<|vision_pad|>";
     let tokenizer = read_json(&target_dir.join("tokenizer.json"))?;
-    tokenizer
+    let added: Vec<(&str, i64, bool)> = tokenizer
         .get("added_tokens")
         .and_then(Value::as_array)
-        .and_then(|tokens| tokens.iter().find(|t| t.get("content").and_then(Value::as_str) == Some(TOKEN)))
-        .and_then(|t| t.get("id").and_then(Value::as_i64))
-        .ok_or_else(|| InitError::Spec(format!("the target tokenizer has no {TOKEN}; pass mask_token_id")))
+        .map(|tokens| {
+            tokens
+                .iter()
+                .filter_map(|t| {
+                    let special = t.get("special").and_then(Value::as_bool).unwrap_or(false);
+                    Some((t.get("content")?.as_str()?, t.get("id")?.as_i64()?, special))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(&(_, id, _)) = added.iter().find(|(content, _, _)| *content == VISION_PAD) {
+        return Ok(id);
+    }
+    let config = read_json(&target_dir.join("tokenizer_config.json")).unwrap_or(Value::Null);
+    let named: Vec<&str> = ["bos_token", "eos_token", "pad_token", "unk_token"]
+        .iter()
+        .filter_map(|key| config.get(*key).and_then(Value::as_str))
+        .collect();
+    added
+        .iter()
+        .rev()
+        .find(|(content, _, special)| *special && !named.contains(content))
+        .map(|&(_, id, _)| id)
+        .ok_or_else(|| {
+            InitError::Spec("the target tokenizer has no reserved special token; pass mask_token_id".into())
+        })
 }
 
 /// `config.json` in the spelling of the public DFlash checkpoints (Qwen3Config keys, DFlash's

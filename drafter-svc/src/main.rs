@@ -100,12 +100,17 @@ struct HeadShapeArgs {
     /// Target layers to read (default: the DFlash rule for the target's depth).
     #[arg(long, value_delimiter = ',')]
     taps: Option<Vec<usize>>,
+    /// Token id used as the mask (must not be a token the model produces; default: a reserved
+    /// special token of the target's tokenizer).
+    #[arg(long)]
+    mask_token_id: Option<i64>,
 }
 
 impl HeadShapeArgs {
     fn spec(self, seed: u64) -> drafter_svc::init::HeadSpec {
         drafter_svc::init::HeadSpec {
             tap_layers: self.taps,
+            mask_token_id: self.mask_token_id,
             ..drafter_svc::init::HeadSpec::new(self.layers, self.block_size, seed)
         }
     }
@@ -121,9 +126,6 @@ struct InitArgs {
     out: PathBuf,
     #[command(flatten)]
     shape: HeadShapeArgs,
-    /// Token id used as the mask (must not be a token the model produces).
-    #[arg(long)]
-    mask_token_id: Option<i64>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -289,8 +291,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 }
 
 fn init(args: InitArgs) -> Result<(), String> {
-    let spec =
-        drafter_svc::init::HeadSpec { mask_token_id: args.mask_token_id, ..args.shape.spec(args.seed) };
+    let spec = args.shape.spec(args.seed);
     drafter_svc::init::write_random_head(&args.target, &args.out, &spec).map_err(|e| e.to_string())?;
     println!("wrote a random draft head to {}", args.out.display());
     Ok(())

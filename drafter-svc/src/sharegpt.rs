@@ -60,14 +60,20 @@ pub struct Corpus {
 
 /// Whether the record `id` belongs to the held-out split (FNV-1a of its conversation id).
 pub fn is_held_out(id: &str) -> bool {
-    let conversation = id.rsplit_once('_').map_or(id, |(base, part)| {
-        if part.bytes().all(|b| b.is_ascii_digit()) {
-            base
-        } else {
-            id
-        }
-    });
-    let hash = conversation.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let conversation =
+        id.rsplit_once('_').map_or(
+            id,
+            |(base, part)| {
+                if part.bytes().all(|b| b.is_ascii_digit()) {
+                    base
+                } else {
+                    id
+                }
+            },
+        );
+    let hash = conversation
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
     hash % HELD_OUT_EVERY == 0
 }
 
@@ -112,7 +118,7 @@ pub fn parse(text: &str) -> Option<Corpus> {
 fn first_human_turn(record: Record) -> Option<Prompt> {
     let turn = record.conversations.into_iter().next().filter(|t| t.from == "human")?;
     let chars = turn.value.chars().count();
-    PROMPT_CHARS.contains(&chars).then(|| Prompt { id: record.id, text: turn.value })
+    PROMPT_CHARS.contains(&chars).then_some(Prompt { id: record.id, text: turn.value })
 }
 
 #[cfg(test)]
@@ -130,7 +136,10 @@ mod tests {
     fn reads_records_up_to_the_cut() {
         let long = "a long enough question about something";
         let complete = [record("a_0", long), record("b_0", "too short"), record("c_0", long)];
-        let text = format!("[\n  {},\n  {},\n  {},\n  {{\"id\": \"d_0\", \"conversa", complete[0], complete[1], complete[2]);
+        let text = format!(
+            "[\n  {},\n  {},\n  {},\n  {{\"id\": \"d_0\", \"conversa",
+            complete[0], complete[1], complete[2]
+        );
         let corpus = parse(&text).unwrap();
         assert_eq!(corpus.records, 3);
         assert!(corpus.truncated);

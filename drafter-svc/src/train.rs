@@ -312,7 +312,8 @@ impl RowBuilder<'_> {
     /// `batch` at a time) and appended to it.
     fn responses(&self, inputs: &[ModelInputs]) -> Result<Vec<Vec<i64>>, TrainError> {
         let mut known = read_row_cache(&self.cache)?;
-        let keys: Vec<String> = inputs.iter().map(|i| CachedRow::key(&i.input_ids, self.max_new_tokens)).collect();
+        let keys: Vec<String> =
+            inputs.iter().map(|i| CachedRow::key(&i.input_ids, self.max_new_tokens)).collect();
         let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !known.contains_key(&keys[i])).collect();
         let bar = progress_bar(missing.len(), 0);
         for chunk in missing.chunks(self.batch.max(1)) {
@@ -321,7 +322,8 @@ impl RowBuilder<'_> {
                 let batch: Vec<&ModelInputs> = chunk.iter().map(|&i| &inputs[i]).collect();
                 regenerate_batch(self.target, self.prompts, &batch, self.max_new_tokens)?
             } else {
-                let single = |&i: &usize| regenerate(self.target, self.prompts, &inputs[i], self.max_new_tokens);
+                let single =
+                    |&i: &usize| regenerate(self.target, self.prompts, &inputs[i], self.max_new_tokens);
                 chunk.iter().map(single).collect::<Result<Vec<_>, _>>()?
             };
             for (&i, response) in chunk.iter().zip(responses) {

@@ -80,7 +80,8 @@ fn batched_f32_greedy_equals_transformers() {
         })
         .collect();
     let params = GreedyParams { max_new_tokens: reference.tokens, eos_token_ids: &[], context_limit: 4096 };
-    let batched = greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched greedy");
+    let batched =
+        greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched greedy");
     for (run, tokens) in runs.iter().zip(batched) {
         assert_eq!(tokens, run.greedy_tokens, "{:?}", run.prompt);
     }

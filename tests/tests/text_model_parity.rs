@@ -200,14 +200,18 @@ fn batched_greedy_equals_the_reference_per_prompt() {
         let lengths: Vec<usize> = inputs.iter().map(|i| i.input_ids.len()).collect();
         assert!(lengths.iter().any(|&l| l != lengths[0]), "the batch needs padding: {lengths:?}");
         let params = GreedyParams { max_new_tokens: 32, eos_token_ids: &[], context_limit: 1 << 20 };
-        let batched = glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched");
+        let batched =
+            glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params)
+                .expect("batched");
         for (case, tokens) in cases.iter().zip(&batched) {
             assert_eq!(tokens, &case.greedy_tokens, "{family}/{}: batched greedy", case.case);
         }
         // An EOS ends one sequence early without touching the others.
         let eos = [cases[0].greedy_tokens[3]];
         let params = GreedyParams { max_new_tokens: 32, eos_token_ids: &eos, context_limit: 1 << 20 };
-        let stopped = glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched");
+        let stopped =
+            glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params)
+                .expect("batched");
         for (case, tokens) in cases.iter().zip(&stopped) {
             let end = case.greedy_tokens.iter().position(|t| *t == eos[0]).map_or(32, |p| p + 1);
             assert_eq!(tokens[..], case.greedy_tokens[..end], "{family}/{}: EOS", case.case);

@@ -232,7 +232,8 @@ pub fn argmax_last(logits: &Tensor) -> i64 {
 
 /// Greedy decoding of several text-only prompts at once, left-padded to one length and advancing
 /// together (each step is one pass over `batch` rows), for throughput where no one waits on a
-/// single stream: the training data regeneration. Each sequence ends at EOS or `max_new_tokens`
+/// single stream: the training data regeneration. Each prompt is prefilled on its own (no compute
+/// spent on padding) and its K/V spliced into the batch. Each sequence ends at EOS or `max_new_tokens`
 /// as [`greedy_generate`] would; finished sequences ride along until all are done. In exact
 /// arithmetic the tokens equal [`greedy_generate`]'s; a batched matmul sums in another order,
 /// so at a near-tie a token may differ. Prompts with images are refused (their vision features
@@ -252,17 +253,12 @@ pub fn greedy_generate_batch(
     let (kind, device) = (model.kind(), model.device());
     let mut cache = model.text.new_batched_cache(batch, capacity, kind, device);
     let padded = PaddedBatch::new(inputs, longest);
-    let prefill = StepInput {
-        token_ids: &Tensor::from_slice(&padded.ids).to_device(device),
-        positions: &Tensor::from_slice(&padded.positions).view([3, -1]).to_device(device),
-        mask: Some(&padded.prefill_mask(kind).to_device(device)),
-        vision: None,
-        taps: &[],
-        logits: LogitRows::Last,
-    };
-    let logits = model.forward(&prefill, &mut cache)?.logits.expect("logits were requested");
-    let mut next: Vec<i64> = Vec::<i64>::try_from(logits.to_kind(Kind::Float).argmax(-1, false))
-        .map_err(|e| ModelError::Input(e.to_string()))?;
+    let mut next = Vec::with_capacity(batch);
+    for (b, input) in inputs.iter().enumerate() {
+        let mut single = model.new_cache(input.input_ids.len());
+        next.push(argmax_last(&prefill(model, input, &mut single)?));
+        cache.splice_sequence(b, &single, padded.pads[b])?;
+    }
     let mut tokens: Vec<Vec<i64>> = vec![Vec::new(); batch];
     let mut done = vec![false; batch];
     for step in 0.. {
@@ -275,7 +271,8 @@ pub fn greedy_generate_batch(
         if done.iter().all(|&d| d) || cache.len() >= capacity {
             break;
         }
-        let positions: Vec<i64> = (0..3).flat_map(|_| padded.next_positions.iter().map(|p| p + step)).collect();
+        let positions: Vec<i64> =
+            (0..3).flat_map(|_| padded.next_positions.iter().map(|p| p + step)).collect();
         let decode = StepInput {
             token_ids: &Tensor::from_slice(&next).to_device(device),
             positions: &Tensor::from_slice(&positions).view([3, batch as i64]).to_device(device),
@@ -293,43 +290,16 @@ pub fn greedy_generate_batch(
 
 /// Prompts left-padded to one length: sequence b's prompt sits at columns pad_b..longest.
 struct PaddedBatch {
-    /// (batch · longest) ids, pads 0.
-    ids: Vec<i64>,
-    /// (3, batch · longest) positions, pads 0.
-    positions: Vec<i64>,
     pads: Vec<usize>,
-    longest: usize,
     /// Each sequence's first decode position (prompt length + rope delta).
     next_positions: Vec<i64>,
 }
 
 impl PaddedBatch {
     fn new(inputs: &[&ModelInputs], longest: usize) -> Self {
-        let pads: Vec<usize> = inputs.iter().map(|i| longest - i.input_ids.len()).collect();
-        let mut ids = Vec::with_capacity(inputs.len() * longest);
-        let mut axes = [Vec::new(), Vec::new(), Vec::new()];
-        for (input, &pad) in inputs.iter().zip(&pads) {
-            ids.extend(std::iter::repeat_n(0, pad).chain(input.input_ids.iter().copied()));
-            for (axis, positions) in axes.iter_mut().zip(&input.positions) {
-                axis.extend(std::iter::repeat_n(0, pad).chain(positions.iter().copied()));
-            }
-        }
+        let pads = inputs.iter().map(|i| longest - i.input_ids.len()).collect();
         let next_positions = inputs.iter().map(|i| i.input_ids.len() as i64 + i.rope_delta).collect();
-        Self { ids, positions: axes.concat(), pads, longest, next_positions }
-    }
-
-    /// (batch, longest, longest): causal within each prompt; a pad row sees only itself (a row
-    /// that sees nothing would turn its softmax, and through its K/V everything, into NaN).
-    fn prefill_mask(&self, kind: Kind) -> Tensor {
-        let n = self.longest;
-        let mut mask = vec![f32::NEG_INFINITY; self.pads.len() * n * n];
-        for (b, &pad) in self.pads.iter().enumerate() {
-            for row in 0..n {
-                let open = if row < pad { row..row + 1 } else { pad..row + 1 };
-                mask[(b * n + row) * n..][open].fill(0.0);
-            }
-        }
-        Tensor::from_slice(&mask).view([self.pads.len() as i64, n as i64, n as i64]).to_kind(kind)
+        Self { pads, next_positions }
     }
 
     /// (batch, 1, past + 1): everything but the sequence's own pad columns.

@@ -135,6 +135,39 @@ impl KvCache {
         (live(&self.keys[layer]), live(&self.values[layer]))
     }
 
+    /// Places batch-1 `source`'s live rows as sequence `sequence` of this batched cache at
+    /// `offset..offset + source.len()`, zeroing the columns before them (left padding, which the
+    /// caller masks out: zeros, unlike uninitialized memory, cannot turn a masked score into NaN).
+    /// The cache length becomes `offset + source.len()`, which every sequence must share.
+    pub fn splice_sequence(
+        &mut self,
+        sequence: usize,
+        source: &KvCache,
+        offset: usize,
+    ) -> Result<(), CacheError> {
+        let end = offset + source.len();
+        if end > self.capacity || sequence >= self.batch() || source.batch() != 1 {
+            return Err(CacheError::BadRows(format!(
+                "sequence {sequence} at {offset}..{end} in a batch of {} with capacity {}",
+                self.batch(),
+                self.capacity
+            )));
+        }
+        let (b, offset, rows) = (sequence as i64, offset as i64, source.len() as i64);
+        for (mine, theirs) in self.keys.iter().zip(&source.keys).chain(self.values.iter().zip(&source.values))
+        {
+            let slot = mine.select(0, b);
+            let _ = slot.narrow(POSITION_AXIS - 1, 0, offset).zero_();
+            slot.narrow(POSITION_AXIS - 1, offset, rows).copy_(&theirs.select(0, 0).narrow(
+                POSITION_AXIS - 1,
+                0,
+                rows,
+            ));
+        }
+        self.len = end;
+        Ok(())
+    }
+
     /// Commits the rows written by the last forward pass.
     pub fn advance(&mut self, n: usize) {
         self.len += n;

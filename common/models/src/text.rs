@@ -389,11 +389,16 @@ fn record_taps(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, hidd
 fn check_step_shapes(input: &StepInput, batch: i64, past: i64, layers: usize) -> Result<(), ModelError> {
     let rows = input.token_ids.size()[0];
     if rows == 0 || rows % batch != 0 {
-        return Err(ModelError::Input(format!("{rows} token rows for a batch of {batch} (at least one each)")));
+        return Err(ModelError::Input(format!(
+            "{rows} token rows for a batch of {batch} (at least one each)"
+        )));
     }
     let n = rows / batch;
     if input.positions.size() != [3, rows] {
-        return Err(ModelError::Input(format!("positions {:?}, expected [3, {rows}]", input.positions.size())));
+        return Err(ModelError::Input(format!(
+            "positions {:?}, expected [3, {rows}]",
+            input.positions.size()
+        )));
     }
     if let Some(mask) = input.mask {
         let expected = if batch == 1 { vec![n, past + n] } else { vec![batch, n, past + n] };

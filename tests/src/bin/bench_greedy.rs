@@ -44,7 +44,9 @@ fn main() {
     });
     tch::set_num_threads(args.threads);
     let messages = match &args.prompt {
-        Some(text) => vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.clone())] }],
+        Some(text) => {
+            vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.clone())] }]
+        }
         None => Case::load(&model_dir, &args.case).chat_messages(),
     };
     let prompts =
