@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use glance_models::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
+use glance_models::{LogitRows, StepInput, TargetModel};
 use serde::Deserialize;
 use tch::Tensor;
 
@@ -111,6 +113,43 @@ impl Case {
             })
             .collect()
     }
+}
+
+/// Model inputs exactly as the reference processor produced them (a text case has no pixels).
+pub fn reference_inputs(case: &Case) -> ModelInputs {
+    let pixel_values = case.tensors.get("pixel_values").map(|t| t.shallow_clone());
+    ModelInputs {
+        input_ids: case.input_ids.clone(),
+        positions: [case.position_ids[0].clone(), case.position_ids[1].clone(), case.position_ids[2].clone()],
+        rope_delta: case.rope_delta,
+        pixel_values,
+        image_grids: case.image_grid_thw.clone(),
+    }
+}
+
+/// One prompt forward (with its images) with the `taps` layers tapped: (logits (n, vocab), taps).
+pub fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
+    let _guard = tch::no_grad_guard();
+    let vision = inputs.pixel_values.as_ref().map(|p| model.encode_images(p, &inputs.image_grids).unwrap());
+    let ids = Tensor::from_slice(&inputs.input_ids);
+    let positions = inputs.positions_tensor();
+    let mut cache = model.new_cache(inputs.input_ids.len());
+    let step = StepInput {
+        token_ids: &ids,
+        positions: &positions,
+        mask: None,
+        vision: vision.as_ref(),
+        taps,
+        logits: LogitRows::All,
+    };
+    let out = model.forward(&step, &mut cache).expect("forward");
+    (out.logits.expect("logits"), out.taps)
+}
+
+/// `n` greedy tokens with EOS disabled.
+pub fn greedy(model: &TargetModel, inputs: &ModelInputs, n: usize) -> Vec<i64> {
+    let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
+    greedy_generate(model, inputs, &params, |_| StepControl::Continue).expect("greedy").tokens
 }
 
 /// Writes a randomly initialized draft head (`layers` layers, block 16, seeded) for `target` into

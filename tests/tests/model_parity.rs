@@ -4,51 +4,15 @@
 //! teeth: breaking one thing on purpose must change the greedy tokens.
 
 use glance_input::{PromptBuilder, PromptOptions};
-use glance_models::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
-use glance_models::{LogitRows, StepInput, TargetModel};
-use glance_tests::{fixtures, max_abs_diff, Case, CASES, FAMILIES};
-use tch::{Device, Kind, Tensor};
+use glance_models::decode::ModelInputs;
+use glance_models::TargetModel;
+use glance_tests::{fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, Case, CASES, FAMILIES};
+use tch::{Device, Kind};
 
 const TOLERANCE: f64 = 1e-4;
 
 fn load(dir: &std::path::Path) -> TargetModel {
     TargetModel::load(dir, Kind::Float, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-}
-
-/// Model inputs exactly as the reference processor produced them.
-fn reference_inputs(case: &Case) -> ModelInputs {
-    let pixel_values = case.tensors.get("pixel_values").map(|t| t.shallow_clone());
-    ModelInputs {
-        input_ids: case.input_ids.clone(),
-        positions: [case.position_ids[0].clone(), case.position_ids[1].clone(), case.position_ids[2].clone()],
-        rope_delta: case.rope_delta,
-        pixel_values,
-        image_grids: case.image_grid_thw.clone(),
-    }
-}
-
-/// One prompt forward with every layer tapped: (logits (n, vocab), taps).
-fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
-    let _guard = tch::no_grad_guard();
-    let vision = inputs.pixel_values.as_ref().map(|p| model.encode_images(p, &inputs.image_grids).unwrap());
-    let ids = Tensor::from_slice(&inputs.input_ids);
-    let positions = inputs.positions_tensor();
-    let mut cache = model.new_cache(inputs.input_ids.len());
-    let step = StepInput {
-        token_ids: &ids,
-        positions: &positions,
-        mask: None,
-        vision: vision.as_ref(),
-        taps,
-        logits: LogitRows::All,
-    };
-    let out = model.forward(&step, &mut cache).expect("forward");
-    (out.logits.expect("logits"), out.taps)
-}
-
-fn greedy(model: &TargetModel, inputs: &ModelInputs, n: usize) -> Vec<i64> {
-    let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
-    greedy_generate(model, inputs, &params, |_| StepControl::Continue).expect("greedy").tokens
 }
 
 #[test]

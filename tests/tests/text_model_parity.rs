@@ -8,49 +8,17 @@
 use std::path::{Path, PathBuf};
 
 use glance_input::{ChatMessage, ContentPart, InputError, PromptBuilder, PromptOptions};
-use glance_models::decode::{greedy_generate, GreedyParams, ModelInputs, StepControl};
-use glance_models::{Family, LogitRows, StepInput, TargetModel};
-use glance_tests::{fixtures, max_abs_diff, Case, TEXT_CASES, TEXT_FAMILIES};
-use tch::{Device, Kind, Tensor};
+use glance_models::decode::{GreedyParams, ModelInputs};
+use glance_models::{Family, TargetModel};
+use glance_tests::{
+    fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, Case, TEXT_CASES, TEXT_FAMILIES,
+};
+use tch::{Device, Kind};
 
 const TOLERANCE: f64 = 1e-4;
 
 fn load(dir: &Path, kind: Kind) -> TargetModel {
     TargetModel::load(dir, kind, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-}
-
-fn reference_inputs(case: &Case) -> ModelInputs {
-    let positions = &case.position_ids;
-    ModelInputs {
-        input_ids: case.input_ids.clone(),
-        positions: [positions[0].clone(), positions[1].clone(), positions[2].clone()],
-        rope_delta: case.rope_delta,
-        pixel_values: None,
-        image_grids: vec![],
-    }
-}
-
-/// One prompt forward with every layer tapped: (logits (n, vocab), taps).
-fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
-    let _guard = tch::no_grad_guard();
-    let ids = Tensor::from_slice(&inputs.input_ids);
-    let positions = inputs.positions_tensor();
-    let mut cache = model.new_cache(inputs.input_ids.len());
-    let step = StepInput {
-        token_ids: &ids,
-        positions: &positions,
-        mask: None,
-        vision: None,
-        taps,
-        logits: LogitRows::All,
-    };
-    let out = model.forward(&step, &mut cache).expect("forward");
-    (out.logits.expect("logits"), out.taps)
-}
-
-fn greedy(model: &TargetModel, inputs: &ModelInputs, n: usize) -> Vec<i64> {
-    let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
-    greedy_generate(model, inputs, &params, |_| StepControl::Continue).expect("greedy").tokens
 }
 
 #[test]
