@@ -404,6 +404,12 @@ impl DraftHead {
     /// a..a+B−1, seeing the context rows strictly before a and its own block (bidirectionally),
     /// as at inference. Returns the draft logits (anchors, B−1, vocab) for positions a+1..a+B−1.
     pub fn forward_train(&self, context: &Tensor, anchors: &[i64], anchor_tokens: &[i64]) -> Tensor {
+        self.logits(&self.forward_train_hidden(context, anchors, anchor_tokens))
+    }
+
+    /// [`Self::forward_train`] before the LM head: the normed hidden states (anchors, B−1, hidden),
+    /// for a loss that scores only some of the vocabulary ([`Self::logits_over`]).
+    pub fn forward_train_hidden(&self, context: &Tensor, anchors: &[i64], anchor_tokens: &[i64]) -> Tensor {
         let block = self.config.block_size as i64;
         let rows = context.size()[0];
         let count = anchors.len() as i64;
@@ -421,8 +427,13 @@ impl DraftHead {
         for layer in &self.layers {
             hidden = layer.forward_masked(&hidden, &ctx, &rotary, &mask);
         }
-        let out = self.norm.forward(&hidden).view([count, block, -1]).narrow(1, 1, block - 1);
-        self.logits(&out)
+        self.norm.forward(&hidden).view([count, block, -1]).narrow(1, 1, block - 1)
+    }
+
+    /// The logits of `hidden` (…, hidden) for the vocabulary rows `ids` (k,) only: (…, k), each
+    /// equal to the matching column of the full logits.
+    pub fn logits_over(&self, hidden: &Tensor, ids: &Tensor) -> Tensor {
+        self.scale_logits(hidden.linear(&self.lm_head.index_select(0, ids), None::<Tensor>))
     }
 
     /// Rotary tables (n, head_dim) for the 1-D int64 `positions` (n,); angles in f32 as
@@ -449,8 +460,13 @@ impl DraftHead {
         }
     }
 
-    fn logits(&self, hidden: &Tensor) -> Tensor {
-        let mut logits = hidden.linear(&self.lm_head, None::<Tensor>);
+    /// The draft logits of `hidden` (…, hidden) over the whole vocabulary: (…, vocab).
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        self.scale_logits(hidden.linear(&self.lm_head, None::<Tensor>))
+    }
+
+    /// The output multiplier and soft-capping of the target's LM head.
+    fn scale_logits(&self, mut logits: Tensor) -> Tensor {
         if self.config.output_multiplier != 1.0 {
             logits *= self.config.output_multiplier;
         }

@@ -45,6 +45,11 @@ pub struct HeadSpec {
     pub rope_theta: Option<f64>,
     /// Standard deviation of the matrix entries.
     pub init_std: f64,
+    /// Initial weight of the head's final norm (the other norms start at 1). Below 1 it shrinks
+    /// the fresh head's logits: its residual stream starts as the mask token's embedding, which the
+    /// tied LM head of a real target scores at ~75 logits against ~0 for the label (loss ~50);
+    /// a small scale starts near ln(vocab) instead, and the ranking the tree uses is unchanged.
+    pub output_norm_init: f64,
     /// Stored dtype: F32, BF16 or F16.
     pub dtype: Kind,
 }
@@ -60,6 +65,7 @@ impl HeadSpec {
             intermediate_size: None,
             rope_theta: None,
             init_std: 0.02,
+            output_norm_init: 1.0,
             dtype: Kind::Float,
         }
     }
@@ -225,7 +231,9 @@ fn random_weights(target: &TextConfig, spec: &HeadSpec, taps: i64) -> Vec<(Strin
     shapes
         .into_iter()
         .map(|(name, shape)| {
-            let tensor = if shape.len() == 1 {
+            let tensor = if name == "norm.weight" {
+                Tensor::full(shape.as_slice(), spec.output_norm_init, (Kind::Float, tch::Device::Cpu))
+            } else if shape.len() == 1 {
                 Tensor::ones(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
             } else {
                 normal_matrix(&name, &shape, spec)

@@ -104,6 +104,9 @@ struct HeadShapeArgs {
     /// special token of the target's tokenizer).
     #[arg(long)]
     mask_token_id: Option<i64>,
+    /// Initial weight of the head's final norm (below 1: smaller first logits, see HeadSpec).
+    #[arg(long, default_value_t = 1.0)]
+    output_norm_init: f64,
 }
 
 impl HeadShapeArgs {
@@ -111,6 +114,7 @@ impl HeadShapeArgs {
         drafter_svc::init::HeadSpec {
             tap_layers: self.taps,
             mask_token_id: self.mask_token_id,
+            output_norm_init: self.output_norm_init,
             ..drafter_svc::init::HeadSpec::new(self.layers, self.block_size, seed)
         }
     }
@@ -173,6 +177,13 @@ struct TrainArgs {
     /// Text-only prompts regenerated together by padded, batched greedy decoding.
     #[arg(long, default_value_t = 16)]
     regen_batch: usize,
+    /// A sampled softmax over this many of the training responses' most frequent tokens (plus
+    /// each step's labels and --loss-negatives random ids); 0: the full vocabulary.
+    #[arg(long, default_value_t = 0)]
+    loss_vocab: usize,
+    /// Uniform random negatives per step of the sampled softmax.
+    #[arg(long, default_value_t = 512)]
+    loss_negatives: usize,
     /// The fresh head's shape (without --init).
     #[command(flatten)]
     shape: HeadShapeArgs,
@@ -325,6 +336,10 @@ fn train(args: TrainArgs) -> Result<(), String> {
         seed: args.seed,
         device,
         regen_batch: args.regen_batch,
+        loss_vocab: match args.loss_vocab {
+            0 => drafter_svc::train::LossVocab::Full,
+            frequent => drafter_svc::train::LossVocab::Sampled { frequent, negatives: args.loss_negatives },
+        },
     };
     tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
         .map(|_| ())

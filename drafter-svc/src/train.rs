@@ -5,7 +5,11 @@
 //! 2. one teacher-forced target pass per row gives the tap states;
 //! 3. each step samples anchors among a row's response positions; each block sees the context
 //!    strictly before its anchor and its own block bidirectionally;
-//! 4. cross-entropy on the same-position labels, weighted exp(−(k−1)/γ);
+//! 4. cross-entropy on the same-position labels, weighted exp(−(k−1)/γ), over the full vocabulary
+//!    or (`--loss-vocab`) a sampled softmax: the step's labels, the training responses' most
+//!    frequent tokens, the head's own current top predictions (hard negatives, refreshed every
+//!    few steps) and a few uniform negatives, which cuts the LM-head cost of a large vocabulary
+//!    (SmolLM2: 49,152 rows) several times;
 //! 5. AdamW with cosine schedule and warm-up, gradient clipping.
 //!
 //! Held-out acceptance is measured on the greedy trajectory: at each anchor, how many of the
@@ -88,6 +92,26 @@ pub struct TrainConfig {
     pub device: Device,
     /// Text-only prompts whose responses are regenerated together (padded, batched greedy).
     pub regen_batch: usize,
+    pub loss_vocab: LossVocab,
+}
+
+/// Which vocabulary rows the training loss scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossVocab {
+    /// The full softmax over every token.
+    Full,
+    /// A sampled softmax over each step's labels, the `frequent` most frequent tokens of the
+    /// training responses, the head's own top predictions (refreshed every
+    /// [`HARD_NEGATIVES_EVERY`] steps: what it over-predicts gets pushed down) and `negatives`
+    /// uniform random ids. Tokens outside the set are not pushed down that step, so held-out
+    /// acceptance (scored on the full vocabulary) is the judge of what it costs.
+    Sampled { frequent: usize, negatives: usize },
+}
+
+/// The scored vocabulary of one step: sorted, distinct ids (the labels are added to them).
+pub enum Scored<'a> {
+    All,
+    Subset(&'a [i64]),
 }
 
 /// A training row: the full sequence (prompt + the target's greedy response), where the response
@@ -147,12 +171,32 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
     for _ in 0..first_step {
         rng.next_u64();
     }
+    let mut sampled = match config.loss_vocab {
+        LossVocab::Full => None,
+        LossVocab::Sampled { frequent, negatives } => {
+            let (ids, coverage) = most_frequent_response_tokens(&train_rows, frequent);
+            log(&format!(
+                "sampled softmax: {} frequent tokens cover {:.1}% of the training responses",
+                ids.len(),
+                100.0 * coverage
+            ));
+            Some(SampledVocab { frequent: ids, hard: Vec::new(), negatives, vocab: head.vocab_size() })
+        }
+    };
     let mut last = Acceptance::default();
     let mut smoothed = None;
     let started = Instant::now();
     for step in first_step..config.steps {
         let row = rng.pick(&train_rows);
-        let Some(loss) = row_loss(&head, row, config, &mut rng) else { continue };
+        if let Some(vocab) = sampled.as_mut().filter(|_| step % HARD_NEGATIVES_EVERY == 0) {
+            tch::no_grad(|| vocab.refresh_hard_negatives(&head, row, &mut rng));
+        }
+        let ids = sampled.as_ref().map(|v| v.step_ids(&mut rng));
+        let scored = match &ids {
+            Some(ids) => Scored::Subset(ids),
+            None => Scored::All,
+        };
+        let Some(loss) = row_loss(&head, row, config, &scored, &mut rng) else { continue };
         loss.backward();
         optimizer.clip_grad_norm(1.0);
         let lr = cosine_lr(step, config.steps, warmup, config.peak_lr, 0.0);
@@ -419,8 +463,79 @@ fn teacher_forced_states(
     })
 }
 
+/// The `count` most frequent tokens of the rows' responses (sorted by id) and the share of response
+/// tokens they cover.
+fn most_frequent_response_tokens(rows: &[Row], count: usize) -> (Vec<i64>, f64) {
+    let mut counts: std::collections::HashMap<i64, usize> = Default::default();
+    for row in rows {
+        for &t in &row.tokens[row.response_start..] {
+            *counts.entry(t).or_default() += 1;
+        }
+    }
+    let total: usize = counts.values().sum();
+    let mut ranked: Vec<(i64, usize)> = counts.into_iter().collect();
+    ranked.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    ranked.truncate(count);
+    let covered: usize = ranked.iter().map(|(_, c)| c).sum();
+    let mut ids: Vec<i64> = ranked.into_iter().map(|(t, _)| t).collect();
+    ids.sort_unstable();
+    (ids, covered as f64 / total.max(1) as f64)
+}
+
+/// Steps between refreshes of the sampled softmax's hard negatives (each refresh is one
+/// full-vocabulary forward over a row's blocks, without gradients).
+pub const HARD_NEGATIVES_EVERY: usize = 4;
+
+/// The head's top predictions per block position kept as hard negatives.
+const HARD_NEGATIVES_TOP: i64 = 8;
+
+/// The sampled softmax's vocabulary (see [`LossVocab::Sampled`]).
+struct SampledVocab {
+    frequent: Vec<i64>,
+    hard: Vec<i64>,
+    negatives: usize,
+    vocab: i64,
+}
+
+impl SampledVocab {
+    /// One step's scored ids: frequent, hard and fresh uniform negatives, sorted and distinct.
+    fn step_ids(&self, rng: &mut Rng) -> Vec<i64> {
+        let mut ids: Vec<i64> = self.frequent.iter().chain(&self.hard).copied().collect();
+        ids.extend((0..self.negatives).map(|_| rng.below(self.vocab as usize) as i64));
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Replaces the hard negatives with the head's current top predictions at random anchors
+    /// of `row`.
+    fn refresh_hard_negatives(&mut self, head: &DraftHead, row: &Row, rng: &mut Rng) {
+        let pool: Vec<usize> =
+            (row.response_start.saturating_sub(1)..row.tokens.len().saturating_sub(1)).collect();
+        if pool.is_empty() {
+            return;
+        }
+        let mut anchors: Vec<i64> = (0..16).map(|_| pool[rng.below(pool.len())] as i64).collect();
+        anchors.sort_unstable();
+        anchors.dedup();
+        let tokens: Vec<i64> = anchors.iter().map(|&a| row.tokens[a as usize]).collect();
+        let logits = head.forward_train(&row.states, &anchors, &tokens);
+        let (_, top) = logits.topk(HARD_NEGATIVES_TOP, -1, true, false);
+        let mut hard = Vec::<i64>::try_from(top.flatten(0, -1).to_device(Device::Cpu)).unwrap_or_default();
+        hard.sort_unstable();
+        hard.dedup();
+        self.hard = hard;
+    }
+}
+
 /// The weighted block loss of one row at freshly sampled anchors (None: no response to learn).
-fn row_loss(head: &DraftHead, row: &Row, config: &TrainConfig, rng: &mut Rng) -> Option<Tensor> {
+fn row_loss(
+    head: &DraftHead,
+    row: &Row,
+    config: &TrainConfig,
+    scored: &Scored,
+    rng: &mut Rng,
+) -> Option<Tensor> {
     let n = row.tokens.len();
     // An anchor needs at least one label after it.
     let mut pool: Vec<usize> = (row.response_start.saturating_sub(1)..n.saturating_sub(1)).collect();
@@ -433,15 +548,15 @@ fn row_loss(head: &DraftHead, row: &Row, config: &TrainConfig, rng: &mut Rng) ->
         anchors.push(pick as i64);
     }
     anchors.sort_unstable();
-    Some(block_loss(head, row, &anchors, config.gamma))
+    Some(block_loss(head, row, &anchors, config.gamma, scored))
 }
 
 /// Cross-entropy of the blocks at `anchors` (sorted): offset k predicts the token at a+k, weighted
-/// exp(−(k−1)/γ); labels past the row's end weigh nothing.
-pub fn block_loss(head: &DraftHead, row: &Row, anchors: &[i64], gamma: f64) -> Tensor {
+/// exp(−(k−1)/γ); labels past the row's end weigh nothing. The softmax runs over `scored`.
+pub fn block_loss(head: &DraftHead, row: &Row, anchors: &[i64], gamma: f64, scored: &Scored) -> Tensor {
     let n = row.tokens.len();
     let tokens: Vec<i64> = anchors.iter().map(|&a| row.tokens[a as usize]).collect();
-    let logits = head.forward_train(&row.states, anchors, &tokens);
+    let hidden = head.forward_train_hidden(&row.states, anchors, &tokens);
     let block = head.block_size() as i64;
     let (mut labels, mut weights) = (Vec::new(), Vec::new());
     for &a in anchors {
@@ -452,8 +567,19 @@ pub fn block_loss(head: &DraftHead, row: &Row, anchors: &[i64], gamma: f64) -> T
             weights.push(weight as f32);
         }
     }
+    let device = hidden.device();
+    let (logits, labels) = match scored {
+        Scored::All => (head.logits(&hidden), labels),
+        Scored::Subset(base) => {
+            let mut ids: Vec<i64> = base.iter().chain(&labels).copied().collect();
+            ids.sort_unstable();
+            ids.dedup();
+            let index = |t: &i64| ids.binary_search(t).expect("every label is scored") as i64;
+            let labels = labels.iter().map(index).collect();
+            (head.logits_over(&hidden, &Tensor::from_slice(&ids).to_device(device)), labels)
+        }
+    };
     let vocab = logits.size()[2];
-    let device = logits.device();
     let labels = Tensor::from_slice(&labels).to_device(device);
     let weights = Tensor::from_slice(&weights).to_device(device);
     cross_entropy(&logits.view([-1, vocab]), &labels, Some(&weights))

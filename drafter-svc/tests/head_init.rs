@@ -75,6 +75,25 @@ fn same_seed_same_bytes() -> Result<()> {
     Ok(())
 }
 
+/// A fresh head's final norm starts at `output_norm_init` (small first logits) and every other
+/// norm at 1.
+#[test]
+fn the_output_norm_starts_at_its_init_scale() -> Result<()> {
+    let Some(root) = fixture_root() else {
+        return Ok(());
+    };
+    let out = scratch("norm");
+    write_random_head(&root.join(QWEN3), &out, &HeadSpec { output_norm_init: 0.1, ..spec(0) })?;
+    let tensors: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(out.join("model.safetensors"))?.into_iter().collect();
+    let mean = |name: &str| tensors[name].mean(Kind::Float).double_value(&[]);
+    assert!((mean("norm.weight") - 0.1).abs() < 1e-6);
+    assert!((mean("hidden_norm.weight") - 1.0).abs() < 1e-6);
+    assert!((mean("layers.0.input_layernorm.weight") - 1.0).abs() < 1e-6);
+    std::fs::remove_dir_all(out)?;
+    Ok(())
+}
+
 #[test]
 fn rejects_specs_that_do_not_fit_the_target() -> Result<()> {
     let Some(root) = fixture_root() else {

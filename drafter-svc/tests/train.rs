@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use drafter_svc::head::{DraftHead, DraftHeadConfig};
 use drafter_svc::init::HeadSpec;
-use drafter_svc::train::{block_loss, row_for, train, DataSource, TrainConfig};
+use drafter_svc::train::{block_loss, row_for, train, DataSource, LossVocab, Row, Scored, TrainConfig};
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::weights::Checkpoint;
 use glance_models::TargetModel;
@@ -33,14 +33,13 @@ fn scratch(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("glance-train-{name}-{}", std::process::id()))
 }
 
-#[test]
-fn one_step_lowers_the_loss_on_a_fixed_batch() {
-    let Some(dir) = target_dir() else { return };
-    let head_dir = scratch("step");
+/// A fresh head over the tiny VLM, its trainable parameters, one row and its anchors.
+fn fixed_batch(dir: &std::path::Path, name: &str) -> (DraftHead, Vec<tch::Tensor>, Row, Vec<i64>) {
+    let head_dir = scratch(name);
     let spec = HeadSpec { tap_layers: Some(vec![0, 1, 2]), ..HeadSpec::new(1, 16, 3) };
-    drafter_svc::init::write_random_head(&dir, &head_dir, &spec).unwrap();
-    let target = TargetModel::load(&dir, Kind::Float, Device::Cpu).unwrap();
-    let prompts = PromptBuilder::from_model_dir(&dir, PromptOptions::default()).unwrap();
+    drafter_svc::init::write_random_head(dir, &head_dir, &spec).unwrap();
+    let target = TargetModel::load(dir, Kind::Float, Device::Cpu).unwrap();
+    let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).unwrap();
     let messages =
         vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text("Tell a story.".into())] }];
     let row = row_for(&target, &prompts, &messages, 40, &[0, 1, 2]).unwrap();
@@ -54,14 +53,46 @@ fn one_step_lowers_the_loss_on_a_fixed_batch() {
     )
     .unwrap();
     let params = ckpt.parameters().iter().map(|(_, t)| t.shallow_clone()).collect();
-    let mut optimizer = AdamW::new(params, 0.0);
     let anchors: Vec<i64> = (row.response_start as i64..row.tokens.len() as i64 - 1).step_by(3).collect();
-    let before = block_loss(&head, &row, &anchors, 7.0);
+    std::fs::remove_dir_all(head_dir).ok();
+    (head, params, row, anchors)
+}
+
+#[test]
+fn one_step_lowers_the_loss_on_a_fixed_batch() {
+    let Some(dir) = target_dir() else { return };
+    let (head, params, row, anchors) = fixed_batch(&dir, "step");
+    let mut optimizer = AdamW::new(params, 0.0);
+    let before = block_loss(&head, &row, &anchors, 7.0, &Scored::All);
     before.backward();
     optimizer.step(1e-3);
-    let after = tch::no_grad(|| block_loss(&head, &row, &anchors, 7.0)).double_value(&[]);
+    let after = tch::no_grad(|| block_loss(&head, &row, &anchors, 7.0, &Scored::All)).double_value(&[]);
     let before = before.double_value(&[]);
     assert!(after < before, "loss {before} -> {after}");
+}
+
+/// The sampled softmax scores exactly the full logits' columns it names, and a step on it (a
+/// tenth of the vocabulary) lowers the full-vocabulary loss.
+#[test]
+fn a_sampled_softmax_step_lowers_the_full_loss() {
+    let Some(dir) = target_dir() else { return };
+    let (head, params, row, anchors) = fixed_batch(&dir, "sampled");
+    let tokens: Vec<i64> = anchors.iter().map(|&a| row.tokens[a as usize]).collect();
+    let hidden = tch::no_grad(|| head.forward_train_hidden(&row.states, &anchors, &tokens));
+    let subset: Vec<i64> = (0..head.vocab_size()).step_by(10).collect();
+    let ids = tch::Tensor::from_slice(&subset);
+    let full = tch::no_grad(|| head.logits(&hidden).index_select(2, &ids));
+    let over = tch::no_grad(|| head.logits_over(&hidden, &ids));
+    assert!(full.allclose(&over, 1e-5, 1e-5, false));
+    let mut optimizer = AdamW::new(params, 0.0);
+    let full_loss = |head: &DraftHead| {
+        tch::no_grad(|| block_loss(head, &row, &anchors, 7.0, &Scored::All)).double_value(&[])
+    };
+    let before = full_loss(&head);
+    block_loss(&head, &row, &anchors, 7.0, &Scored::Subset(&subset)).backward();
+    optimizer.step(1e-3);
+    let after = full_loss(&head);
+    assert!(after < before, "full loss {before} -> {after}");
 }
 
 #[test]
@@ -88,6 +119,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
         seed: 0,
         device: Device::Cpu,
         regen_batch: 4,
+        loss_vocab: LossVocab::Full,
     };
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
@@ -142,6 +174,7 @@ fn sharegpt_rows_are_regenerated_once_and_cached() {
         seed: 0,
         device: Device::Cpu,
         regen_batch: 4,
+        loss_vocab: LossVocab::Sampled { frequent: 16, negatives: 8 },
     };
     let first = train(&config, |_| {}).unwrap();
     let cache = config.out.join("regenerated.jsonl");

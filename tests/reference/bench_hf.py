@@ -6,6 +6,7 @@ Usage:
   .venv/bin/python tests/reference/bench_hf.py --model DIR --case CASE_JSON \
       [--max-new-tokens 64] [--runs 3] [--threads 2] [--dtype float32]
   .venv/bin/python tests/reference/bench_hf.py --model TEXT_MODEL_DIR --prompt TEXT ...
+  .venv/bin/python tests/reference/bench_hf.py --model TEXT_MODEL_DIR --prompts-file PROMPTS_JSON ...
 
 A text-only model (Llama, Qwen3) takes --prompt: one user message through the tokenizer's chat
 template, as the Rust side builds it.
@@ -19,6 +20,11 @@ with greedy decoding and EOS disabled (exactly N new tokens). Prints one JSON li
   {"impl": "hf-transformers", "tokens_per_s_decode": (N-1)/(t_N - t_1), "prefill_ms": t_1*1000,
    "new_tokens": N, ...}
 using the median t_1 and t_N over the runs.
+
+--prompts-file (a JSON list of user messages, the peer of bench_chat) instead decodes each prompt
+once as a chat would, stopping at EOS: t_1 = generate(max_new_tokens=1), then generate(N) gives
+the greedy tokens; prints one JSON line {"tokens": [[...], ...], "decode_tokens": sum(g-1),
+"decode_ms": sum(t_N - t_1)}, the decode window pooled over the prompts.
 """
 
 from __future__ import annotations
@@ -54,11 +60,38 @@ def timed_generate(model, inputs, n: int) -> tuple[float, int]:
     return dt, out.shape[1] - inputs["input_ids"].shape[1]
 
 
+@torch.no_grad()
+def chat_prompts(model, tokenizer, prompts: list[str], n: int) -> dict:
+    def generate(inputs, max_new_tokens):
+        t0 = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return time.perf_counter() - t0, out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    tokens, decode_tokens, decode_ms = [], 0, 0.0
+    for i, prompt in enumerate(prompts):
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+        if i == 0:
+            generate(inputs, n)  # warm-up
+        t1, _ = generate(inputs, 1)
+        tn, new = generate(inputs, n)
+        tokens.append(new)
+        decode_tokens += max(len(new) - 1, 0)
+        decode_ms += max(tn - t1, 0.0) * 1000.0
+    return {"impl": "hf-transformers", "tokens": tokens, "decode_tokens": decode_tokens, "decode_ms": decode_ms}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path, help="HF model dir (e.g. .../tiny-qwen3-vl)")
     ap.add_argument("--case", type=Path, help="reference case JSON (messages with image paths)")
     ap.add_argument("--prompt", help="a text model's user message (instead of --case)")
+    ap.add_argument("--prompts-file", type=Path, help="a JSON list of user messages (bench_chat's peer)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -77,6 +110,14 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
+    if args.prompts_file is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), attn_implementation=args.attn
+        ).eval()
+        prompts = json.loads(args.prompts_file.read_text())
+        print(json.dumps(chat_prompts(model, tokenizer, prompts, args.max_new_tokens)), flush=True)
+        return 0
     if args.prompt is not None:
         case = {"case": "prompt"}
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)

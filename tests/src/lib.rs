@@ -10,6 +10,7 @@ use glance_models::{LogitRows, StepInput, TargetModel};
 use serde::Deserialize;
 use tch::Tensor;
 
+pub mod bench;
 pub mod law_plot;
 pub mod process;
 pub mod suite;

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use clap::Parser;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
-use glance_spec::law::{self, Form, Round};
-use glance_tests::law_plot;
+use glance_spec::law::Round;
+use glance_tests::bench::{self, Cell, Mode};
 use glance_tests::process::ServiceProcess;
 use glance_toyworld::{sample, Split, Task};
 use serde_json::json;
@@ -63,62 +63,12 @@ const OFF_DISTRIBUTION_PROMPTS: &[&str] = &[
     "Tell me a joke about a cat and a dog.",
 ];
 
-/// Totals of one (task, mode) cell.
-#[derive(Default, Clone)]
-struct Cell {
-    ms_per_token: Vec<f64>,
-    rounds: u64,
-    committed: f64,
-    accepted_per_depth: Vec<u64>,
-    draft_ms: f64,
-    hop_ms: f64,
-    verify_ms: f64,
-    lossless: u64,
-    prompts: u64,
-    round_logs: Vec<Round>,
-}
-
-impl Cell {
-    fn tau(&self) -> f64 {
-        if self.rounds == 0 {
-            1.0
-        } else {
-            self.committed / self.rounds as f64
-        }
-    }
-
-    fn ms_per_token(&self) -> f64 {
-        self.ms_per_token.iter().sum::<f64>() / self.ms_per_token.len().max(1) as f64
-    }
-}
-
-fn modes(budgets: &[u32]) -> Vec<(String, pb::DecodingMode, u32)> {
-    let mut modes = vec![
-        ("autoregressive".to_string(), pb::DecodingMode::Autoregressive, 0),
-        ("auto".to_string(), pb::DecodingMode::Auto, 0),
-    ];
-    modes.extend(budgets.iter().map(|&b| (format!("tree-{b}"), pb::DecodingMode::SpeculativeTree, b)));
-    modes.push(("chain".into(), pb::DecodingMode::SpeculativeChain, 0));
-    modes.push(("prompt-lookup".into(), pb::DecodingMode::PromptLookup, 0));
-    modes
-}
-
-fn request(
-    s: &glance_toyworld::Sample,
-    mode: pb::DecodingMode,
-    budget: u32,
-    max_new: u32,
-) -> pb::GenerateRequest {
+fn request(s: &glance_toyworld::Sample, mode: &Mode, max_new: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         messages: glance_tests::suite::to_proto(&s.messages()),
         max_new_tokens: max_new,
         stop: vec![],
-        decoding: Some(pb::DecodingOptions {
-            mode: mode as i32,
-            tree_budget: budget,
-            log_rounds: true,
-            ..Default::default()
-        }),
+        decoding: Some(bench::decoding(mode)),
     }
 }
 
@@ -134,10 +84,10 @@ async fn main() {
         &env,
     );
     let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
-    let modes = modes(&args.budgets);
+    let modes = bench::modes(&args.budgets);
     let warm_up = sample(Split::HeldOut, Task::Doc, args.seed, 10_000);
-    for (_, mode, budget) in &modes {
-        client.generate(request(&warm_up, *mode, *budget, args.max_new_tokens)).await.expect("warm-up");
+    for mode in &modes {
+        client.generate(request(&warm_up, mode, args.max_new_tokens)).await.expect("warm-up");
     }
     let bar = indicatif::ProgressBar::new(Task::ALL.len() as u64 * args.prompts * modes.len() as u64);
     let mut cells: BTreeMap<(usize, usize), Cell> = BTreeMap::new();
@@ -145,14 +95,12 @@ async fn main() {
         for index in 0..args.prompts {
             let s = sample(Split::HeldOut, task, args.seed, index);
             let mut reference = None;
-            for (m, (_, mode, budget)) in modes.iter().enumerate() {
-                let response = client
-                    .generate(request(&s, *mode, *budget, args.max_new_tokens))
-                    .await
-                    .expect("generate");
+            for (m, mode) in modes.iter().enumerate() {
+                let response =
+                    client.generate(request(&s, mode, args.max_new_tokens)).await.expect("generate");
                 let r = response.into_inner();
                 let cell = cells.entry((t, m)).or_default();
-                record(cell, &r, reference.get_or_insert_with(|| r.token_ids.clone()));
+                cell.record(&r, reference.get_or_insert_with(|| r.token_ids.clone()));
                 bar.inc(1);
             }
         }
@@ -175,7 +123,7 @@ async fn main() {
 async fn off_distribution(
     args: &Args,
     client: &mut GenerationClient<tonic::transport::Channel>,
-    modes: &[(String, pb::DecodingMode, u32)],
+    modes: &[Mode],
 ) -> Option<(serde_json::Value, String)> {
     if args.text_tokens == 0 {
         return None;
@@ -188,20 +136,15 @@ async fn off_distribution(
         };
         let messages = glance_tests::suite::to_proto(&[user]);
         let mut reference = None;
-        for (m, (_, mode, budget)) in modes.iter().enumerate() {
+        for (m, mode) in modes.iter().enumerate() {
             let request = pb::GenerateRequest {
                 messages: messages.clone(),
                 max_new_tokens: args.text_tokens,
                 stop: vec![],
-                decoding: Some(pb::DecodingOptions {
-                    mode: *mode as i32,
-                    tree_budget: *budget,
-                    ignore_eos: true,
-                    ..Default::default()
-                }),
+                decoding: Some(pb::DecodingOptions { ignore_eos: true, ..bench::decoding(mode) }),
             };
             let r = client.generate(request).await.expect("generate").into_inner();
-            record(&mut cells[m], &r, reference.get_or_insert_with(|| r.token_ids.clone()));
+            cells[m].record(&r, reference.get_or_insert_with(|| r.token_ids.clone()));
         }
     }
     let ar = cells[0].ms_per_token();
@@ -211,49 +154,23 @@ async fn off_distribution(
         args.text_tokens
     );
     let mut json_modes = Vec::new();
-    for ((name, _, _), c) in modes.iter().zip(&cells) {
+    for (mode, c) in modes.iter().zip(&cells) {
         let speedup = ar / c.ms_per_token();
-        md += &format!("| {name} | {:.2} | {speedup:.2}x | {}/{} |\n", c.tau(), c.lossless, c.prompts);
-        json_modes.push(json!({"mode": name, "tau": c.tau(), "speedup": speedup, "ms_per_token": c.ms_per_token(), "lossless": format!("{}/{}", c.lossless, c.prompts)}));
+        md += &format!("| {} | {:.2} | {speedup:.2}x | {}/{} |\n", mode.name, c.tau(), c.lossless, c.prompts);
+        json_modes.push(json!({"mode": mode.name, "tau": c.tau(), "speedup": speedup, "ms_per_token": c.ms_per_token(), "lossless": format!("{}/{}", c.lossless, c.prompts)}));
     }
     Some((json!({"prompts": OFF_DISTRIBUTION_PROMPTS, "tokens": args.text_tokens, "modes": json_modes}), md))
-}
-
-fn record(cell: &mut Cell, r: &pb::GenerateResponse, reference: &[u32]) {
-    let usage = r.usage.unwrap_or_default();
-    let timings = r.timings.unwrap_or_default();
-    cell.prompts += 1;
-    cell.lossless += (r.token_ids == reference) as u64;
-    cell.ms_per_token.push(timings.decode_ms / usage.generated_tokens.max(1) as f64);
-    if let Some(s) = &r.speculative {
-        cell.rounds += s.rounds as u64;
-        cell.committed += s.mean_accepted_length * s.rounds as f64;
-        if cell.accepted_per_depth.len() < s.accepted_per_depth.len() {
-            cell.accepted_per_depth.resize(s.accepted_per_depth.len(), 0);
-        }
-        for (d, &c) in s.accepted_per_depth.iter().enumerate() {
-            cell.accepted_per_depth[d] += c;
-        }
-        cell.draft_ms += s.draft_ms;
-        cell.hop_ms += s.hop_ms;
-        cell.verify_ms += s.verify_ms;
-        cell.round_logs.extend(
-            s.round_logs
-                .iter()
-                .map(|l| Round { entropy: l.root_entropy as f64, accepted: l.accepted as f64 }),
-        );
-    }
 }
 
 /// JSON and the markdown table.
 fn report(
     args: &Args,
-    modes: &[(String, pb::DecodingMode, u32)],
+    modes: &[Mode],
     cells: &BTreeMap<(usize, usize), Cell>,
 ) -> (serde_json::Value, String) {
-    let law_mode = modes.iter().position(|(n, _, _)| *n == format!("tree-{}", args.law_budget));
+    let law_mode = modes.iter().position(|m| m.name == format!("tree-{}", args.law_budget));
     let mut md = String::from("| task | mean H (nats) | ");
-    md += &modes.iter().map(|(n, _, _)| format!("{n} tau / speed-up")).collect::<Vec<_>>().join(" | ");
+    md += &modes.iter().map(|m| format!("{} tau / speed-up", m.name)).collect::<Vec<_>>().join(" | ");
     md += " | lossless |\n|---|---|";
     md += &"---|".repeat(modes.len() + 1);
     md += "\n";
@@ -270,21 +187,15 @@ fn report(
         let lossless = (0..modes.len()).all(|m| cells[&(t, m)].lossless == cells[&(t, m)].prompts);
         md += &format!("| {} | {mean_h:.2} |", task.name());
         let mut json_modes = Vec::new();
-        for (m, (name, _, _)) in modes.iter().enumerate() {
+        for (m, mode) in modes.iter().enumerate() {
             let c = &cells[&(t, m)];
             let speedup = ar / c.ms_per_token();
             speedups[m].push(speedup);
             md += &format!(" {:.2} / {:.2}x |", c.tau(), speedup);
-            let round_ms = c.draft_ms + c.hop_ms + c.verify_ms;
-            json_modes.push(json!({
-                "mode": name, "tau": c.tau(), "speedup": speedup, "ms_per_token": c.ms_per_token(), "rounds": c.rounds,
-                "accepted_per_depth": c.accepted_per_depth, "draft_ms": c.draft_ms, "hop_ms": c.hop_ms,
-                "verify_ms": c.verify_ms, "hop_share": if round_ms > 0.0 { c.hop_ms / round_ms } else { 0.0 },
-                "lossless": format!("{}/{}", c.lossless, c.prompts),
-            }));
+            json_modes.push(c.json(&mode.name, speedup));
         }
         md += &format!(" {} |\n", if lossless { "all" } else { "NO" });
-        json_tasks.push(json!({"task": task.name(), "mean_root_entropy": mean_h, "modes": json_modes, "law": law_json(&logs)}));
+        json_tasks.push(json!({"task": task.name(), "mean_root_entropy": mean_h, "modes": json_modes, "law": bench::law_json(&logs)}));
     }
     md += "| geomean | |";
     for s in &speedups {
@@ -296,58 +207,18 @@ fn report(
     if let Err(e) = plot(&args.plot, &per_task_logs, &pooled) {
         eprintln!("bench_toyworld: no plot: {e}");
     }
-    let value = json!({"tasks": json_tasks, "pooled_law": law_json(&pooled), "prompts_per_task": args.prompts, "max_new_tokens": args.max_new_tokens});
+    let value = json!({"tasks": json_tasks, "pooled_law": bench::law_json(&pooled), "prompts_per_task": args.prompts, "max_new_tokens": args.max_new_tokens});
     (value, md)
-}
-
-fn law_json(rounds: &[Round]) -> serde_json::Value {
-    let fit = |form| {
-        law::fit(form, rounds, 15)
-            .map(|f| json!({"b0": f.b0, "b1": f.b1, "r2_rounds": f.r2_rounds, "r2_deciles": f.r2_deciles}))
-    };
-    json!({
-        "rounds": rounds.len(),
-        "spearman": law::spearman(rounds),
-        "capped_geometric": fit(Form::CappedGeometric),
-        "finite_horizon": fit(Form::FiniteHorizon),
-        "deciles": law::deciles(rounds).iter().map(|d| json!({"entropy": d.entropy, "accepted": d.accepted, "rounds": d.rounds})).collect::<Vec<_>>(),
-    })
 }
 
 /// The fitted entropy law per task and pooled (finite-horizon and capped-geometric slopes).
 fn law_table(per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> String {
-    let mut md = String::from(
-        "\n| entropy law | rounds | mean H | b0 / b1 (finite horizon) | R² deciles | b0 / b1 (capped) | Spearman ρ |\n|---|---|---|---|---|---|---|\n",
-    );
     let rows = per_task.iter().map(|(t, logs)| (t.name(), logs.as_slice())).chain([("pooled", pooled)]);
-    for (name, logs) in rows {
-        let mean_h = logs.iter().map(|r| r.entropy).sum::<f64>() / logs.len().max(1) as f64;
-        let show = |f: Option<law::Fit>| f.map_or("-".to_string(), |f| format!("{:.2} / {:.2}", f.b0, f.b1));
-        let finite = law::fit(Form::FiniteHorizon, logs, 15);
-        let r2 = finite.as_ref().map_or("-".to_string(), |f| format!("{:.2}", f.r2_deciles));
-        md += &format!(
-            "| {name} | {} | {mean_h:.2} | {} | {r2} | {} | {:.2} |\n",
-            logs.len(),
-            show(finite.clone()),
-            show(law::fit(Form::CappedGeometric, logs, 15)),
-            law::spearman(logs)
-        );
-    }
-    md
+    bench::law_table(rows)
 }
-
 /// The decile plot: one curve per task and the pooled one, each with its finite-horizon fit.
 fn plot(path: &std::path::Path, per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> Result<(), String> {
     let named: Vec<(&str, &[Round])> =
         per_task.iter().map(|(t, l)| (t.name(), l.as_slice())).chain([("pooled", pooled)]).collect();
-    let deciles: Vec<Vec<law::Decile>> = named.iter().map(|(_, l)| law::deciles(l)).collect();
-    let fits: Vec<Option<law::Fit>> =
-        named.iter().map(|(_, l)| law::fit(Form::FiniteHorizon, l, 15)).collect();
-    let series: Vec<law_plot::Series> = named
-        .iter()
-        .zip(&deciles)
-        .zip(&fits)
-        .map(|(((name, _), d), f)| law_plot::Series { name, deciles: d, fit: f.as_ref() })
-        .collect();
-    law_plot::draw(path, "accepted length vs target entropy (toy world, glance tree)", &series, 15)
+    bench::law_plot(path, "accepted length vs target entropy (toy world, glance tree)", &named)
 }

@@ -1,0 +1,175 @@
+//! What the end-to-end benchmarks (`bench_toyworld`, `bench_chat`) share: the decoding modes they
+//! compare, the per-(prompt set, mode) totals taken from each response, and the entropy-law report.
+
+use glance_proto::v1 as pb;
+use glance_spec::law::{self, Form, Round};
+use serde_json::json;
+
+/// One compared decoding mode: its report name, the wire mode and the tree budget (0: default).
+#[derive(Clone, Debug)]
+pub struct Mode {
+    pub name: String,
+    pub mode: pb::DecodingMode,
+    pub budget: u32,
+}
+
+/// Autoregressive first (every other mode is checked against it and timed relative to it), then
+/// auto, the tree at each budget, the chain and prompt lookup.
+pub fn modes(budgets: &[u32]) -> Vec<Mode> {
+    let mode = |name: String, mode, budget| Mode { name, mode, budget };
+    let mut modes = vec![
+        mode("autoregressive".into(), pb::DecodingMode::Autoregressive, 0),
+        mode("auto".into(), pb::DecodingMode::Auto, 0),
+    ];
+    modes.extend(budgets.iter().map(|&b| mode(format!("tree-{b}"), pb::DecodingMode::SpeculativeTree, b)));
+    modes.push(mode("chain".into(), pb::DecodingMode::SpeculativeChain, 0));
+    modes.push(mode("prompt-lookup".into(), pb::DecodingMode::PromptLookup, 0));
+    modes
+}
+
+/// The decoding options of a benchmark request in `mode` (round logs on, for the entropy law).
+pub fn decoding(mode: &Mode) -> pb::DecodingOptions {
+    pb::DecodingOptions {
+        mode: mode.mode as i32,
+        tree_budget: mode.budget,
+        log_rounds: true,
+        ..Default::default()
+    }
+}
+
+/// Totals of one (prompt set, mode) cell.
+#[derive(Default, Clone)]
+pub struct Cell {
+    pub ms_per_token: Vec<f64>,
+    /// Decode-window totals (tokens after the first, and their milliseconds) for a pooled rate.
+    pub decode_tokens: u64,
+    pub decode_ms: f64,
+    pub rounds: u64,
+    pub committed: f64,
+    pub accepted_per_depth: Vec<u64>,
+    pub draft_ms: f64,
+    pub hop_ms: f64,
+    pub verify_ms: f64,
+    pub lossless: u64,
+    pub prompts: u64,
+    pub round_logs: Vec<Round>,
+}
+
+impl Cell {
+    /// Tokens committed per drafted round (1 when nothing was drafted).
+    pub fn tau(&self) -> f64 {
+        if self.rounds == 0 {
+            1.0
+        } else {
+            self.committed / self.rounds as f64
+        }
+    }
+
+    /// Mean over prompts of decode ms per generated token.
+    pub fn ms_per_token(&self) -> f64 {
+        self.ms_per_token.iter().sum::<f64>() / self.ms_per_token.len().max(1) as f64
+    }
+
+    /// Draft, hop and verify milliseconds per drafted round.
+    pub fn round_breakdown(&self) -> [f64; 3] {
+        let rounds = self.rounds.max(1) as f64;
+        [self.draft_ms / rounds, self.hop_ms / rounds, self.verify_ms / rounds]
+    }
+
+    /// Adds one response; returns whether its tokens equal `reference`.
+    pub fn record(&mut self, r: &pb::GenerateResponse, reference: &[u32]) -> bool {
+        let usage = r.usage.unwrap_or_default();
+        let timings = r.timings.unwrap_or_default();
+        let identical = r.token_ids == reference;
+        self.prompts += 1;
+        self.lossless += identical as u64;
+        self.ms_per_token.push(timings.decode_ms / usage.generated_tokens.max(1) as f64);
+        self.decode_tokens += u64::from(usage.generated_tokens.saturating_sub(1));
+        self.decode_ms += timings.decode_ms;
+        if let Some(s) = &r.speculative {
+            self.add_speculative(s);
+        }
+        identical
+    }
+
+    fn add_speculative(&mut self, s: &pb::SpeculativeStats) {
+        self.rounds += s.rounds as u64;
+        self.committed += s.mean_accepted_length * s.rounds as f64;
+        if self.accepted_per_depth.len() < s.accepted_per_depth.len() {
+            self.accepted_per_depth.resize(s.accepted_per_depth.len(), 0);
+        }
+        for (d, &c) in s.accepted_per_depth.iter().enumerate() {
+            self.accepted_per_depth[d] += c;
+        }
+        self.draft_ms += s.draft_ms;
+        self.hop_ms += s.hop_ms;
+        self.verify_ms += s.verify_ms;
+        self.round_logs.extend(
+            s.round_logs
+                .iter()
+                .map(|l| Round { entropy: l.root_entropy as f64, accepted: l.accepted as f64 }),
+        );
+    }
+
+    /// The cell as JSON, with its speed-up over autoregressive.
+    pub fn json(&self, name: &str, speedup: f64) -> serde_json::Value {
+        let round_ms = self.draft_ms + self.hop_ms + self.verify_ms;
+        json!({
+            "mode": name, "tau": self.tau(), "speedup": speedup, "ms_per_token": self.ms_per_token(),
+            "rounds": self.rounds, "accepted_per_depth": self.accepted_per_depth, "draft_ms": self.draft_ms,
+            "hop_ms": self.hop_ms, "verify_ms": self.verify_ms,
+            "hop_share": if round_ms > 0.0 { self.hop_ms / round_ms } else { 0.0 },
+            "lossless": format!("{}/{}", self.lossless, self.prompts),
+        })
+    }
+}
+
+/// The entropy law fitted to round logs, as JSON (both forms, Spearman, deciles).
+pub fn law_json(rounds: &[Round]) -> serde_json::Value {
+    let fit = |form| {
+        law::fit(form, rounds, 15)
+            .map(|f| json!({"b0": f.b0, "b1": f.b1, "r2_rounds": f.r2_rounds, "r2_deciles": f.r2_deciles}))
+    };
+    json!({
+        "rounds": rounds.len(),
+        "spearman": law::spearman(rounds),
+        "capped_geometric": fit(Form::CappedGeometric),
+        "finite_horizon": fit(Form::FiniteHorizon),
+        "deciles": law::deciles(rounds).iter().map(|d| json!({"entropy": d.entropy, "accepted": d.accepted, "rounds": d.rounds})).collect::<Vec<_>>(),
+    })
+}
+
+/// A markdown table of the fitted entropy law, one row per named set of round logs.
+pub fn law_table<'a>(rows: impl IntoIterator<Item = (&'a str, &'a [Round])>) -> String {
+    let mut md = String::from(
+        "\n| entropy law | rounds | mean H | b0 / b1 (finite horizon) | R² deciles | b0 / b1 (capped) | Spearman ρ |\n|---|---|---|---|---|---|---|\n",
+    );
+    for (name, logs) in rows {
+        let mean_h = logs.iter().map(|r| r.entropy).sum::<f64>() / logs.len().max(1) as f64;
+        let show = |f: Option<law::Fit>| f.map_or("-".to_string(), |f| format!("{:.2} / {:.2}", f.b0, f.b1));
+        let finite = law::fit(Form::FiniteHorizon, logs, 15);
+        let r2 = finite.as_ref().map_or("-".to_string(), |f| format!("{:.2}", f.r2_deciles));
+        md += &format!(
+            "| {name} | {} | {mean_h:.2} | {} | {r2} | {} | {:.2} |\n",
+            logs.len(),
+            show(finite.clone()),
+            show(law::fit(Form::CappedGeometric, logs, 15)),
+            law::spearman(logs)
+        );
+    }
+    md
+}
+
+/// The decile plot of named round logs, each with its finite-horizon fit.
+pub fn law_plot(path: &std::path::Path, title: &str, named: &[(&str, &[Round])]) -> Result<(), String> {
+    let deciles: Vec<Vec<law::Decile>> = named.iter().map(|(_, l)| law::deciles(l)).collect();
+    let fits: Vec<Option<law::Fit>> =
+        named.iter().map(|(_, l)| law::fit(Form::FiniteHorizon, l, 15)).collect();
+    let series: Vec<crate::law_plot::Series> = named
+        .iter()
+        .zip(&deciles)
+        .zip(&fits)
+        .map(|(((name, _), d), f)| crate::law_plot::Series { name, deciles: d, fit: f.as_ref() })
+        .collect();
+    crate::law_plot::draw(path, title, &series, 15)
+}

@@ -1,0 +1,320 @@
+//! The real-model benchmark: held-out ShareGPT chat prompts (conversation ids training never saw)
+//! on a real checkpoint with its trained head, one run, one process per service, one dtype per
+//! run. Modes: autoregressive, auto, the GLANCE tree at several budgets, the chain and prompt
+//! lookup. Reports tau, speed-up over our own autoregressive decoding (ms/token, decode window),
+//! the round breakdown, accepted-per-depth, the entropy-law fit and, per prompt and mode, whether
+//! the output equals the autoregressive one; where it does not (bf16 rounding), the step and the
+//! target's top-2 logit margin there. The peer: transformers' own greedy `generate` on the same
+//! prompts in the same run (`tests/reference/bench_hf.py --prompts-file`).
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
+use glance_models::decode::teacher_forced;
+use glance_models::{LogitRows, TargetModel};
+use glance_proto::v1 as pb;
+use glance_proto::v1::generation_client::GenerationClient;
+use glance_spec::law::Round;
+use glance_tests::bench::{self, Cell, Mode};
+use glance_tests::process::ServiceProcess;
+use serde_json::json;
+use tch::{Device, Kind};
+
+#[derive(Parser)]
+#[command(
+    about = "Real-model benchmark on held-out ShareGPT prompts: AR vs tree vs chain vs prompt lookup vs auto"
+)]
+struct Args {
+    #[arg(long, default_value = "models/smollm2-135m-instruct")]
+    model: PathBuf,
+    #[arg(long, default_value = "models/smollm2-head")]
+    head: PathBuf,
+    #[arg(long, default_value = "data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json")]
+    data: PathBuf,
+    /// Held-out prompts (the next one warms every mode up first).
+    #[arg(long, default_value_t = 50)]
+    prompts: usize,
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: u32,
+    /// `f32` or `bf16`, for both services and the peer.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, value_delimiter = ',', default_values_t = [7u32, 15, 31])]
+    budgets: Vec<u32>,
+    /// Only these modes (by report name, e.g. `autoregressive,tree-15`); autoregressive always runs.
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<String>,
+    /// The tree budget whose round logs feed the entropy law.
+    #[arg(long, default_value_t = 15)]
+    law_budget: u32,
+    /// libtorch threads of each service and of the peer (one each: as if each had its own device).
+    #[arg(long, default_value_t = 1)]
+    threads_per_service: u32,
+    /// The Python that runs transformers for the peer; `off` skips it.
+    #[arg(long, default_value = ".venv/bin/python")]
+    peer_python: String,
+    /// Output prefix: PREFIX.json, PREFIX.md and PREFIX-law.png (default bench-chat-DTYPE).
+    #[arg(long)]
+    out: Option<String>,
+}
+
+/// A prompt whose output in some mode differs from the autoregressive one.
+struct Divergence {
+    prompt: usize,
+    mode: String,
+    step: usize,
+    /// The target's top-2 logit margin at that step (after the common prefix).
+    margin: f64,
+}
+
+/// What transformers' greedy `generate` did on the same prompts.
+#[derive(serde::Deserialize)]
+struct PeerRun {
+    tokens: Vec<Vec<u32>>,
+    decode_tokens: u64,
+    decode_ms: f64,
+}
+
+fn user(text: &str) -> Vec<ChatMessage> {
+    vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.to_string())] }]
+}
+
+fn request(prompt: &str, mode: &Mode, max_new: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        messages: glance_tests::suite::to_proto(&user(prompt)),
+        max_new_tokens: max_new,
+        stop: vec![],
+        decoding: Some(bench::decoding(mode)),
+    }
+}
+
+fn selected_modes(args: &Args) -> Vec<Mode> {
+    bench::modes(&args.budgets)
+        .into_iter()
+        .filter(|m| {
+            m.mode == pb::DecodingMode::Autoregressive
+                || args.modes.is_empty()
+                || args.modes.contains(&m.name)
+        })
+        .collect()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args = Args::parse();
+    let out = args.out.clone().unwrap_or_else(|| format!("bench-chat-{}", args.dtype));
+    let corpus =
+        drafter_svc::sharegpt::read(&args.data).expect("the ShareGPT file (scripts/setup-real-model.sh)");
+    let prompts: Vec<String> = corpus.held_out.into_iter().take(args.prompts + 1).map(|p| p.text).collect();
+    assert!(prompts.len() > args.prompts, "only {} held-out prompts", prompts.len() - 1);
+    let (warm_up, prompts) = (&prompts[args.prompts], &prompts[..args.prompts]);
+    let modes = selected_modes(&args);
+    let threads = args.threads_per_service.to_string();
+    let env = [("OMP_NUM_THREADS", threads.as_str())];
+    let (head, model) = (args.head.to_str().expect("utf-8"), args.model.to_str().expect("utf-8"));
+    let dtype = ["--dtype", args.dtype.as_str()];
+    let drafter_args = [&["--kind", "block-head", "--head", head, "--target", model][..], &dtype].concat();
+    let drafter = ServiceProcess::drafter_with_env(&drafter_args, &env);
+    let verifier_args =
+        [&["--drafter", drafter.url.as_str(), "--max-tree-budget", "256"][..], &dtype].concat();
+    let verifier = ServiceProcess::verifier_with_env(&args.model, &verifier_args, &env);
+    let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
+    for mode in &modes {
+        client.generate(request(warm_up, mode, args.max_new_tokens)).await.expect("warm-up");
+    }
+    let bar = indicatif::ProgressBar::new((prompts.len() * modes.len()) as u64);
+    let mut cells = vec![Cell::default(); modes.len()];
+    let mut ar_tokens: Vec<Vec<u32>> = Vec::new();
+    let mut diverged: Vec<(usize, String, usize)> = Vec::new();
+    for (p, prompt) in prompts.iter().enumerate() {
+        for (m, mode) in modes.iter().enumerate() {
+            let r = client.generate(request(prompt, mode, args.max_new_tokens)).await.expect("generate");
+            let r = r.into_inner();
+            if m == 0 {
+                ar_tokens.push(r.token_ids.clone());
+            }
+            if !cells[m].record(&r, &ar_tokens[p]) {
+                diverged.push((p, mode.name.clone(), first_difference(&r.token_ids, &ar_tokens[p])));
+            }
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    drop((verifier, drafter));
+    let divergences = margins(&args, prompts, &ar_tokens, diverged);
+    let peer = peer(&args, prompts);
+    let (json, md) = report(&args, &modes, &cells, &divergences, peer.as_ref(), &ar_tokens, &out);
+    std::fs::write(format!("{out}.json"), serde_json::to_string_pretty(&json).unwrap()).expect("json");
+    std::fs::write(format!("{out}.md"), &md).expect("markdown");
+    println!("{md}");
+}
+
+fn first_difference(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len()))
+}
+
+/// The target's top-2 logit margin at each divergence, from one teacher-forced pass over the
+/// prompt and the autoregressive tokens before the step (in the benchmark's dtype).
+fn margins(
+    args: &Args,
+    prompts: &[String],
+    ar: &[Vec<u32>],
+    diverged: Vec<(usize, String, usize)>,
+) -> Vec<Divergence> {
+    if diverged.is_empty() {
+        return Vec::new();
+    }
+    let kind = if args.dtype == "bf16" { Kind::BFloat16 } else { Kind::Float };
+    let model = TargetModel::load(&args.model, kind, Device::Cpu).expect("the model loads");
+    let builder = PromptBuilder::from_model_dir(&args.model, PromptOptions::default()).expect("prompts");
+    let _no_grad = tch::no_grad_guard();
+    diverged
+        .into_iter()
+        .map(|(prompt, mode, step)| {
+            let inputs = builder.build(&user(&prompts[prompt])).expect("prompt").model_inputs();
+            let prefix: Vec<i64> = ar[prompt][..step].iter().map(|&t| t as i64).collect();
+            let pass = teacher_forced(&model, &inputs, &prefix, &[], LogitRows::Last).expect("pass");
+            let logits = match pass.continuation.and_then(|c| c.logits) {
+                Some(rows) => rows.get(-1),
+                None => pass.prompt_logits.get(-1),
+            };
+            let (top, _) = logits.to_kind(Kind::Float).topk(2, -1, true, true);
+            let margin = top.double_value(&[0]) - top.double_value(&[1]);
+            Divergence { prompt, mode, step, margin }
+        })
+        .collect()
+}
+
+/// transformers' greedy `generate` on the same prompts (None: skipped or failed, said on stderr).
+fn peer(args: &Args, prompts: &[String]) -> Option<PeerRun> {
+    if args.peer_python == "off" {
+        return None;
+    }
+    let file = std::env::temp_dir().join(format!("bench-chat-prompts-{}.json", std::process::id()));
+    std::fs::write(&file, serde_json::to_string(prompts).unwrap()).ok()?;
+    let dtype = if args.dtype == "bf16" { "bfloat16" } else { "float32" };
+    let output = std::process::Command::new(&args.peer_python)
+        .arg(Path::new("tests/reference/bench_hf.py"))
+        .args(["--model", args.model.to_str()?, "--prompts-file", file.to_str()?, "--dtype", dtype])
+        .args(["--max-new-tokens", &args.max_new_tokens.to_string()])
+        .args(["--threads", &args.threads_per_service.to_string()])
+        .output();
+    std::fs::remove_file(&file).ok();
+    match output {
+        Ok(o) if o.status.success() => {
+            let text = String::from_utf8_lossy(&o.stdout);
+            serde_json::from_str(text.lines().last().unwrap_or_default())
+                .map_err(|e| eprintln!("bench_chat: peer output: {e}"))
+                .ok()
+        }
+        Ok(o) => {
+            eprintln!("bench_chat: peer failed: {}", String::from_utf8_lossy(&o.stderr));
+            None
+        }
+        Err(e) => {
+            eprintln!("bench_chat: no peer ({}): {e}", args.peer_python);
+            None
+        }
+    }
+}
+
+/// The JSON report and its markdown.
+fn report(
+    args: &Args,
+    modes: &[Mode],
+    cells: &[Cell],
+    divergences: &[Divergence],
+    peer: Option<&PeerRun>,
+    ar_tokens: &[Vec<u32>],
+    out: &str,
+) -> (serde_json::Value, String) {
+    let ar = cells[0].ms_per_token();
+    let model = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut md = format!(
+        "{model} ({}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service\n\n\
+         | mode | tau | speed-up | ms/token | draft / hop / verify ms per round | rounds accepting depth 1 / 2 / 3 / 4 / 6 / 8 | identical to AR |\n\
+         |---|---|---|---|---|---|---|\n",
+        args.dtype,
+        cells[0].prompts,
+        args.max_new_tokens,
+        args.threads_per_service
+    );
+    let mut json_modes = Vec::new();
+    for (mode, c) in modes.iter().zip(cells) {
+        let speedup = ar / c.ms_per_token();
+        let [draft, hop, verify] = c.round_breakdown();
+        let share = |d: usize| {
+            let n = c.accepted_per_depth.get(d - 1).copied().unwrap_or(0);
+            format!("{:.0}%", 100.0 * n as f64 / c.rounds.max(1) as f64)
+        };
+        let depths = [1, 2, 3, 4, 6, 8].map(share).join(" / ");
+        let breakdown =
+            if c.rounds == 0 { "-".to_string() } else { format!("{draft:.1} / {hop:.2} / {verify:.1}") };
+        md += &format!(
+            "| {} | {:.2} | {speedup:.2}x | {:.1} | {breakdown} | {} | {}/{} |\n",
+            mode.name,
+            c.tau(),
+            c.ms_per_token(),
+            if c.rounds == 0 { "-".to_string() } else { depths },
+            c.lossless,
+            c.prompts
+        );
+        json_modes.push(c.json(&mode.name, speedup));
+    }
+    let law_name = format!("tree-{}", args.law_budget);
+    let logs: &[Round] =
+        modes.iter().position(|m| m.name == law_name).map_or(&[], |m| cells[m].round_logs.as_slice());
+    md += &bench::law_table([(law_name.as_str(), logs)]);
+    if let Err(e) = bench::law_plot(
+        Path::new(&format!("{out}-law.png")),
+        &format!("accepted length vs target entropy ({model}, {law_name}, held-out chat)"),
+        &[(law_name.as_str(), logs)],
+    ) {
+        eprintln!("bench_chat: no plot: {e}");
+    }
+    let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.dtype, &mut md));
+    md += &divergence_section(divergences);
+    let json = json!({
+        "model": model, "dtype": args.dtype, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
+        "threads_per_service": args.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
+        "law_mode": law_name, "peer": peer_json,
+        "divergences": divergences.iter().map(|d| json!({"prompt": d.prompt, "mode": d.mode, "step": d.step, "top2_margin": d.margin})).collect::<Vec<_>>(),
+    });
+    (json, md)
+}
+
+/// Our autoregressive decode rate against transformers' (pooled over the prompts), and how many
+/// of its greedy outputs equal ours.
+fn peer_section(
+    peer: &PeerRun,
+    ar: &Cell,
+    ar_tokens: &[Vec<u32>],
+    dtype: &str,
+    md: &mut String,
+) -> serde_json::Value {
+    let ours = ar.decode_tokens as f64 / (ar.decode_ms / 1000.0);
+    let theirs = peer.decode_tokens as f64 / (peer.decode_ms / 1000.0);
+    let same = peer.tokens.iter().zip(ar_tokens).filter(|(a, b)| a == b).count();
+    *md += &format!(
+        "\nAR peer: transformers' greedy `generate` on the same prompts ({dtype}): {theirs:.1} tokens/s; ours \
+         {ours:.1} tokens/s (**{:.2}x**); its outputs equal ours on {same}/{} prompts.\n",
+        ours / theirs,
+        ar_tokens.len()
+    );
+    json!({"tokens_per_s": theirs, "ours_tokens_per_s": ours, "ratio": ours / theirs, "identical": same})
+}
+
+fn divergence_section(divergences: &[Divergence]) -> String {
+    if divergences.is_empty() {
+        return "\nEvery output equals the autoregressive one.\n".into();
+    }
+    let mut md = format!(
+        "\n{} outputs differ from the autoregressive one (step, target top-2 logit margin there):\n\n",
+        divergences.len()
+    );
+    for d in divergences {
+        md += &format!("- prompt {} {}: step {}, margin {:.4}\n", d.prompt, d.mode, d.step, d.margin);
+    }
+    md
+}
