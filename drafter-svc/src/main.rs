@@ -174,7 +174,7 @@ struct TrainArgs {
     /// Continue from the state in --out (the regenerated rows are reused either way).
     #[arg(long)]
     resume: bool,
-    /// Text-only prompts regenerated together by padded, batched greedy decoding.
+    /// Prompts regenerated together by padded, batched greedy decoding.
     #[arg(long, default_value_t = 16)]
     regen_batch: usize,
     /// A sampled softmax over this many of the training responses' most frequent tokens (plus

@@ -1,7 +1,7 @@
 //! `drafter-svc train`: trains the block draft head on a target's own states, for any supported
 //! target, CPU or CUDA (glance.md §3.2, the DFlash recipe GLANCE follows):
-//! 1. the responses are regenerated with the target's own greedy decoding (text-only prompts in
-//!    padded batches), cached on disk so a resumed run does not redo them;
+//! 1. the responses are regenerated with the target's own greedy decoding (in padded batches),
+//!    cached on disk so a resumed run does not redo them;
 //! 2. one teacher-forced target pass per row gives the tap states;
 //! 3. each step samples anchors among a row's response positions; each block sees the context
 //!    strictly before its anchor and its own block bidirectionally;
@@ -90,7 +90,7 @@ pub struct TrainConfig {
     pub resume: bool,
     pub seed: u64,
     pub device: Device,
-    /// Text-only prompts whose responses are regenerated together (padded, batched greedy).
+    /// Prompts whose responses are regenerated together (padded, batched greedy).
     pub regen_batch: usize,
     pub loss_vocab: LossVocab,
 }
@@ -327,7 +327,7 @@ struct RowBuilder<'a> {
     max_new_tokens: usize,
     taps: &'a [usize],
     cache: PathBuf,
-    /// Text-only prompts regenerated together (one target pass per step for all).
+    /// Prompts regenerated together (one target pass per step for all).
     batch: usize,
 }
 
@@ -352,17 +352,15 @@ impl RowBuilder<'_> {
         Ok(rows)
     }
 
-    /// Each prompt's greedy response: from the cache, else regenerated (text-only prompts
-    /// `batch` at a time) and appended to it.
+    /// Each prompt's greedy response: from the cache, else regenerated (`batch` prompts at a
+    /// time) and appended to it.
     fn responses(&self, inputs: &[ModelInputs]) -> Result<Vec<Vec<i64>>, TrainError> {
         let mut known = read_row_cache(&self.cache)?;
-        let keys: Vec<String> =
-            inputs.iter().map(|i| CachedRow::key(&i.input_ids, self.max_new_tokens)).collect();
+        let keys: Vec<String> = inputs.iter().map(|i| CachedRow::key(i, self.max_new_tokens)).collect();
         let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !known.contains_key(&keys[i])).collect();
         let bar = progress_bar(missing.len(), 0);
         for chunk in missing.chunks(self.batch.max(1)) {
-            let text_only = chunk.iter().all(|&i| inputs[i].pixel_values.is_none());
-            let responses = if text_only && chunk.len() > 1 {
+            let responses = if chunk.len() > 1 {
                 let batch: Vec<&ModelInputs> = chunk.iter().map(|&i| &inputs[i]).collect();
                 regenerate_batch(self.target, self.prompts, &batch, self.max_new_tokens)?
             } else {
@@ -381,7 +379,8 @@ impl RowBuilder<'_> {
     }
 }
 
-/// One line of the regenerated-rows cache: the prompt's ids (with the token limit) as the key.
+/// One line of the regenerated-rows cache: the prompt's ids (with the token limit, and a hash of
+/// its pixels when it has images: two images of one size give the same ids) as the key.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct CachedRow {
     key: String,
@@ -389,10 +388,21 @@ struct CachedRow {
 }
 
 impl CachedRow {
-    fn key(prompt_ids: &[i64], max_new_tokens: usize) -> String {
-        let ids: Vec<String> = prompt_ids.iter().map(i64::to_string).collect();
-        format!("{max_new_tokens}:{}", ids.join(","))
+    fn key(inputs: &ModelInputs, max_new_tokens: usize) -> String {
+        let ids: Vec<String> = inputs.input_ids.iter().map(i64::to_string).collect();
+        let key = format!("{max_new_tokens}:{}", ids.join(","));
+        match &inputs.pixel_values {
+            Some(pixels) => format!("{key}:pixels {:016x}", pixel_hash(pixels)),
+            None => key,
+        }
     }
+}
+
+fn pixel_hash(pixels: &Tensor) -> u64 {
+    let values = Vec::<f32>::try_from(pixels.to_kind(Kind::Float).flatten(0, -1).to_device(Device::Cpu))
+        .unwrap_or_default();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    glance_train::rng::hash_bytes(&bytes)
 }
 
 fn read_row_cache(path: &Path) -> Result<std::collections::HashMap<String, Vec<i64>>, TrainError> {
@@ -417,7 +427,7 @@ fn append_row_cache(path: &Path, key: &str, response: &[i64]) -> Result<(), Trai
     writeln!(file, "{line}").map_err(io)
 }
 
-/// The target's greedy responses to text-only prompts, decoded as one batch.
+/// The target's greedy responses to several prompts, decoded as one batch.
 fn regenerate_batch(
     target: &TargetModel,
     prompts: &PromptBuilder,

@@ -4,7 +4,7 @@
 //! teeth: breaking one thing on purpose must change the greedy tokens.
 
 use glance_input::{PromptBuilder, PromptOptions};
-use glance_models::decode::ModelInputs;
+use glance_models::decode::{greedy_generate_batch, GreedyParams, ModelInputs};
 use glance_models::TargetModel;
 use glance_tests::{fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, Case, CASES, FAMILIES};
 use tch::{Device, Kind};
@@ -53,6 +53,28 @@ fn greedy_tokens_match_transformers_through_our_pipeline() {
             assert_eq!(inputs.input_ids, case.input_ids, "{family}/{name}: input ids");
             let tokens = greedy(&model, &inputs, case.greedy_tokens.len());
             assert_eq!(tokens, case.greedy_tokens, "{family}/{name}: greedy tokens");
+        }
+    }
+}
+
+/// Batched greedy decoding over prompts with and without images (each prefilled with its own
+/// vision features, its M-RoPE offset carried into the batch) gives every case transformers'
+/// greedy tokens, in f32.
+#[test]
+fn batched_greedy_with_images_equals_the_reference_per_case() {
+    let Some(root) = fixtures() else { return };
+    for (family, _) in FAMILIES {
+        let dir = root.join(family);
+        let model = load(&dir);
+        let cases: Vec<Case> = CASES.iter().map(|name| Case::load(&dir, name)).collect();
+        let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
+        assert!(inputs.iter().any(|i| i.pixel_values.is_some()) && inputs.iter().any(|i| i.rope_delta != 0));
+        let n = cases.iter().map(|c| c.greedy_tokens.len()).min().expect("cases");
+        let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
+        let batched =
+            greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched");
+        for (case, tokens) in cases.iter().zip(&batched) {
+            assert_eq!(tokens[..], case.greedy_tokens[..n], "{family}/{}: batched greedy", case.case);
         }
     }
 }

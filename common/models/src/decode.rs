@@ -230,23 +230,20 @@ pub fn argmax_last(logits: &Tensor) -> i64 {
     logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false).int64_value(&[])
 }
 
-/// Greedy decoding of several text-only prompts at once, left-padded to one length and advancing
+/// Greedy decoding of several prompts at once, left-padded to one length and advancing
 /// together (each step is one pass over `batch` rows), for throughput where no one waits on a
 /// single stream: the training data regeneration. Each prompt is prefilled on its own (no compute
 /// spent on padding) and its K/V spliced into the batch. Each sequence ends at EOS or `max_new_tokens`
 /// as [`greedy_generate`] would; finished sequences ride along until all are done. In exact
 /// arithmetic the tokens equal [`greedy_generate`]'s; a batched matmul sums in another order,
-/// so at a near-tie a token may differ. Prompts with images are refused (their vision features
-/// would need splicing per sequence).
+/// so at a near-tie a token may differ. A prompt with images is prefilled with its own vision
+/// features; its M-RoPE offset (`rope_delta`) carries into its decode positions.
 pub fn greedy_generate_batch(
     model: &TargetModel,
     inputs: &[&ModelInputs],
     params: &GreedyParams,
 ) -> Result<Vec<Vec<i64>>, ModelError> {
     let _no_grad = tch::no_grad_guard();
-    if inputs.iter().any(|i| i.pixel_values.is_some()) {
-        return Err(ModelError::Input("batched greedy decoding takes text-only prompts".into()));
-    }
     let Some(longest) = inputs.iter().map(|i| i.input_ids.len()).max() else { return Ok(vec![]) };
     let capacity = params.capacity(longest)?;
     let batch = inputs.len();
