@@ -88,18 +88,29 @@ CASES = {
     "long": [{"role": "user", "content": [{"type": "text", "text": LONG + " Which shape is in the middle?"}]}],
 }
 
+# What both tiny families share: the shape, and the special tokens of the shared tokenizer.
+def shared_config(vocab: int, ids: dict) -> dict:
+    return dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["eos"],
+    )
+
+
 FAMILIES = {
+    # A tied LM head, every bias, and llama3 rope scaling with a 16-token original context.
     "tiny-llama": dict(
         cls=LlamaForCausalLM,
         template=LLAMA_TEMPLATE,
         config=lambda vocab, ids: LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
+            **shared_config(vocab, ids),
             rms_norm_eps=1e-5,
             rope_parameters={
                 "rope_type": "llama3",
@@ -112,29 +123,18 @@ FAMILIES = {
             attention_bias=True,
             mlp_bias=True,
             tie_word_embeddings=True,
-            bos_token_id=ids["bos"],
-            eos_token_id=ids["eos"],
-            pad_token_id=ids["eos"],
         ),
     ),
+    # q/k norm and a head_dim (24) that is not hidden / heads (16).
     "tiny-qwen3": dict(
         cls=Qwen3ForCausalLM,
         template=QWEN3_TEMPLATE,
         config=lambda vocab, ids: Qwen3Config(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **shared_config(vocab, ids),
             head_dim=24,
-            max_position_embeddings=256,
             rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
             tie_word_embeddings=False,
-            bos_token_id=ids["bos"],
-            eos_token_id=ids["eos"],
-            pad_token_id=ids["eos"],
         ),
     ),
 }
