@@ -2,7 +2,7 @@
 //! target, CPU or CUDA (glance.md §3.2, the DFlash recipe GLANCE follows):
 //! 1. the responses are regenerated with the target's own greedy decoding (in padded batches),
 //!    cached on disk so a resumed run does not redo them;
-//! 2. one teacher-forced target pass per row gives the tap states;
+//! 2. one teacher-forced target pass per row gives the tap states, cached on disk too;
 //! 3. each step samples anchors among a row's response positions; each block sees the context
 //!    strictly before its anchor and its own block bidirectionally;
 //! 4. cross-entropy on the same-position labels, weighted exp(−(k−1)/γ), over the full vocabulary
@@ -339,17 +339,48 @@ impl RowBuilder<'_> {
             inputs.push(prompt.model_inputs());
         }
         let responses = self.responses(&inputs)?;
+        let names: Vec<String> = inputs.iter().zip(&responses).map(|(i, r)| self.state_name(i, r)).collect();
+        let path = self.cache.with_file_name(if held_out {
+            "tap_states.held_out.safetensors"
+        } else {
+            "tap_states.train.safetensors"
+        });
+        let mut cached = read_state_cache(&path);
         let bar = progress_bar(inputs.len(), 0);
-        let mut rows = Vec::with_capacity(inputs.len());
-        for (inputs, response) in inputs.iter().zip(responses) {
+        let (mut rows, mut computed) = (Vec::with_capacity(inputs.len()), 0);
+        for ((inputs, response), name) in inputs.iter().zip(responses).zip(&names) {
             let _no_grad = tch::no_grad_guard();
-            let states = teacher_forced_states(self.target, inputs, &response, self.taps)?;
+            let states = match cached.remove(name) {
+                Some(states) => states.to_device(self.target.device()),
+                None => {
+                    computed += 1;
+                    teacher_forced_states(self.target, inputs, &response, self.taps)?
+                }
+            };
             let tokens = inputs.input_ids.iter().chain(&response).copied().collect();
             rows.push(Row { tokens, response_start: inputs.input_ids.len(), states });
             bar.inc(1);
         }
         bar.finish_and_clear();
+        if computed > 0 {
+            let mut seen = std::collections::HashSet::new();
+            let named: Vec<(String, Tensor)> = names
+                .into_iter()
+                .zip(&rows)
+                .filter(|(n, _)| seen.insert(n.clone())) // a repeated prompt is one row of the cache
+                .map(|(n, r)| (n, r.states.to_device(Device::Cpu)))
+                .collect();
+            save::write_safetensors(&path, &named)?;
+        }
         Ok(rows)
+    }
+
+    /// A row's name in the tap-state cache: its prompt, response and tap layers, hashed.
+    fn state_name(&self, inputs: &ModelInputs, response: &[i64]) -> String {
+        let response: Vec<String> = response.iter().map(i64::to_string).collect();
+        let key =
+            format!("{}|{}|{:?}", CachedRow::key(inputs, self.max_new_tokens), response.join(","), self.taps);
+        format!("{:016x}", glance_train::rng::hash_bytes(key.as_bytes()))
     }
 
     /// Each prompt's greedy response: from the cache, else regenerated (`batch` prompts at a
@@ -403,6 +434,12 @@ fn pixel_hash(pixels: &Tensor) -> u64 {
         .unwrap_or_default();
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     glance_train::rng::hash_bytes(&bytes)
+}
+
+/// The tap states computed by an earlier run, by row name (none when the file is absent or
+/// unreadable: they are recomputed).
+fn read_state_cache(path: &Path) -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_safetensors(path).map(|named| named.into_iter().collect()).unwrap_or_default()
 }
 
 fn read_row_cache(path: &Path) -> Result<std::collections::HashMap<String, Vec<i64>>, TrainError> {

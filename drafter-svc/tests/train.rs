@@ -135,8 +135,8 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     assert_eq!(tree.len(), 15);
 }
 
-/// Training on ShareGPT-shaped data for a text-only target: the regenerated responses are cached
-/// beside the head, so a second run (here: a resumed one with more steps) regenerates nothing.
+/// Training on ShareGPT-shaped data for a text-only target: the regenerated responses and their
+/// tap states are cached beside the head, so a resumed run recomputes neither.
 #[test]
 fn sharegpt_rows_are_regenerated_once_and_cached() {
     let Some(vlm) = target_dir() else { return };
@@ -184,6 +184,15 @@ fn sharegpt_rows_are_regenerated_once_and_cached() {
     config.steps = 8;
     let second = train(&config, |_| {}).unwrap();
     assert_eq!(std::fs::read_to_string(&cache).unwrap(), cached, "a resumed run regenerated rows");
+    for split in ["train", "held_out"] {
+        let states = config.out.join(format!("tap_states.{split}.safetensors"));
+        assert!(states.is_file(), "the {split} tap states are cached");
+    }
+    let states = config.out.join("tap_states.train.safetensors");
+    let modified = std::fs::metadata(&states).unwrap().modified().unwrap();
+    config.steps = 10;
+    train(&config, |_| {}).unwrap();
+    assert_eq!(std::fs::metadata(&states).unwrap().modified().unwrap(), modified, "states were recomputed");
     assert_eq!(first.anchors, second.anchors, "the same held-out rows");
     std::fs::remove_dir_all(out).ok();
 }
