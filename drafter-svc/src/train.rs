@@ -122,6 +122,14 @@ pub struct Row {
     pub states: Tensor,
 }
 
+impl Row {
+    /// The positions a block can be anchored at: from the prompt's last token (its block drafts
+    /// the response's start) to the second-to-last token (an anchor needs a label after it).
+    pub fn anchor_positions(&self) -> std::ops::Range<usize> {
+        self.response_start.saturating_sub(1)..self.tokens.len().saturating_sub(1)
+    }
+}
+
 /// What one evaluation measured on held-out rows.
 #[derive(Clone, Debug, Default)]
 pub struct Acceptance {
@@ -557,8 +565,7 @@ impl SampledVocab {
     /// Replaces the hard negatives with the head's current top predictions at random anchors
     /// of `row`.
     fn refresh_hard_negatives(&mut self, head: &DraftHead, row: &Row, rng: &mut Rng) {
-        let pool: Vec<usize> =
-            (row.response_start.saturating_sub(1)..row.tokens.len().saturating_sub(1)).collect();
+        let pool: Vec<usize> = row.anchor_positions().collect();
         if pool.is_empty() {
             return;
         }
@@ -583,9 +590,8 @@ fn row_loss(
     scored: &Scored,
     rng: &mut Rng,
 ) -> Option<Tensor> {
-    let n = row.tokens.len();
     // An anchor needs at least one label after it.
-    let mut pool: Vec<usize> = (row.response_start.saturating_sub(1)..n.saturating_sub(1)).collect();
+    let mut pool: Vec<usize> = row.anchor_positions().collect();
     if pool.is_empty() {
         return None;
     }
@@ -658,8 +664,7 @@ pub fn acceptance(head: &DraftHead, rows: &[Row]) -> Acceptance {
     let (mut chain, mut tree, mut anchors) = (0usize, 0usize, 0usize);
     for row in rows {
         let n = row.tokens.len();
-        let positions: Vec<i64> =
-            (row.response_start.saturating_sub(1)..n.saturating_sub(1)).map(|a| a as i64).collect();
+        let positions: Vec<i64> = row.anchor_positions().map(|a| a as i64).collect();
         for batch in positions.chunks(16) {
             let tokens: Vec<i64> = batch.iter().map(|&a| row.tokens[a as usize]).collect();
             let logits = head.forward_train(&row.states, batch, &tokens);
