@@ -15,6 +15,26 @@ pub mod law_plot;
 pub mod process;
 pub mod suite;
 
+/// The device the tests load models on: `$GLANCE_TEST_DEVICE` (`cpu`, `cuda` or `cuda:N`), else
+/// the CPU. The device check (`scripts/device-check.sh`) sets it, together with the services'
+/// own `GLANCE_DEVICE` / `GLANCE_DRAFTER_DEVICE`, to run the suites on a GPU.
+pub fn test_device() -> tch::Device {
+    let name = std::env::var("GLANCE_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    glance_models::weights::parse_device(&name)
+        .unwrap_or_else(|| panic!("GLANCE_TEST_DEVICE={name:?}: expected cpu, cuda or cuda:N"))
+}
+
+/// A file of `tests/reference` (the Python peers): where this build's sources were, else relative
+/// to the working directory (the carried binaries of the device check run in another checkout).
+pub fn reference_script(name: &str) -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference").join(name);
+    if built.is_file() {
+        built
+    } else {
+        Path::new("tests/reference").join(name)
+    }
+}
+
 /// The two reference families and their model directories (5.x layout, then the sharded 4.x one).
 pub const FAMILIES: [(&str, &str); 2] =
     [("tiny-qwen3-vl", "tiny-qwen3-vl-legacy"), ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-legacy")];
@@ -131,9 +151,13 @@ pub fn reference_inputs(case: &Case) -> ModelInputs {
 /// One prompt forward (with its images) with the `taps` layers tapped: (logits (n, vocab), taps).
 pub fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize]) -> (Tensor, Vec<Tensor>) {
     let _guard = tch::no_grad_guard();
-    let vision = inputs.pixel_values.as_ref().map(|p| model.encode_images(p, &inputs.image_grids).unwrap());
-    let ids = Tensor::from_slice(&inputs.input_ids);
-    let positions = inputs.positions_tensor();
+    let device = model.device();
+    let vision = inputs
+        .pixel_values
+        .as_ref()
+        .map(|p| model.encode_images(&p.to_device(device), &inputs.image_grids).unwrap());
+    let ids = glance_models::upload(&inputs.input_ids, device);
+    let positions = inputs.positions_tensor().to_device(device);
     let mut cache = model.new_cache(inputs.input_ids.len());
     let step = StepInput {
         token_ids: &ids,
@@ -194,5 +218,6 @@ pub fn metric(text: &str, prefix: &str) -> f64 {
 /// Largest absolute difference of two tensors, in f64.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size(), "shapes differ");
-    (a.to_kind(tch::Kind::Double) - b.to_kind(tch::Kind::Double)).abs().max().double_value(&[])
+    let host = |t: &Tensor| t.to_device(tch::Device::Cpu).to_kind(tch::Kind::Double);
+    (host(a) - host(b)).abs().max().double_value(&[])
 }

@@ -167,9 +167,28 @@ impl History {
     }
 
     fn push(&mut self, tokens: &[i64], states: Option<&Tensor>) {
-        if let (Some(store), Some(rows)) = (&self.states, states) {
-            store.narrow(0, self.len as i64, tokens.len() as i64).copy_(rows);
+        if let (Some(mut block), Some(rows)) = (self.next_rows(tokens.len()), states) {
+            block.copy_(rows);
         }
+        self.extend(tokens);
+    }
+
+    /// Appends the positions a round committed, their tap states gathered straight from the
+    /// pass's outputs into the store.
+    fn push_rows(&mut self, tokens: &[i64], rows: &TapRows) {
+        debug_assert_eq!(tokens.len(), rows.len());
+        if let Some(block) = self.next_rows(tokens.len()) {
+            rows.write_into(&block);
+        }
+        self.extend(tokens);
+    }
+
+    /// The store's rows for the next `count` positions, when states are kept.
+    fn next_rows(&self, count: usize) -> Option<Tensor> {
+        self.states.as_ref().map(|s| s.narrow(0, self.len as i64, count as i64))
+    }
+
+    fn extend(&mut self, tokens: &[i64]) {
         self.tokens.extend_from_slice(tokens);
         self.len += tokens.len();
     }
@@ -314,7 +333,7 @@ pub fn speculative_generate(
         let drafted = round.is_some();
         let rows = 1 + round.as_ref().map_or(0, Tree::len);
         let round_entropy = policy.is_some();
-        let (committed, states, next_entropy) = match round {
+        let (committed, tap_rows, next_entropy) = match round {
             Some(tree) => {
                 stats.draft_tokens += tree.tokens.len();
                 let entropies = Entropies { root: spec.log_rounds, next: round_entropy };
@@ -342,7 +361,7 @@ pub fn speculative_generate(
                 for count in &mut stats.accepted_per_depth[..accepted] {
                     *count += 1;
                 }
-                (verified.committed, verified.states, verified.next_entropy)
+                (verified.committed, verified.tap_rows, verified.next_entropy)
             }
             None => {
                 if greedy == Greedy::NoDrafter {
@@ -361,7 +380,7 @@ pub fn speculative_generate(
         drop(entered);
         // committed = [root, accepted…, bonus]; the cache now holds root + accepted.
         let new_positions = committed.len() - 1;
-        history.push(&committed[..new_positions], states.as_ref());
+        history.push_rows(&committed[..new_positions], &tap_rows);
         root = *committed.last().expect("a round commits at least the bonus");
         // The next round's tree is asked for before the tokens go to the client (detokenizing,
         // stop strings, the stream), so the drafter starts on it that much earlier. Unless this
@@ -701,8 +720,8 @@ pub struct Verified {
     pub committed: Vec<i64>,
     /// Node indices of the accepted path.
     pub path: Vec<usize>,
-    /// Tap states of [root, accepted…].
-    pub states: Option<Tensor>,
+    /// Tap states of [root, accepted…], still in the pass's outputs.
+    pub tap_rows: TapRows,
     /// Entropy (nats) of the target at the root, when asked for.
     pub root_entropy: Option<f32>,
     /// Entropy at the bonus token (the next round's root), when asked for.
@@ -769,11 +788,11 @@ pub fn verify_round(
     let next_entropy = entropies.next.then(|| entropy(bonus_row)).flatten();
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
-    let states = gather_states(&out.taps, &keep, device);
+    let tap_rows = TapRows { taps: out.taps, keep };
     let mut committed = vec![root];
     committed.extend(path.iter().map(|&i| i64::from(tree.tokens[i])));
     committed.push(i64::from(bonus));
-    Ok(Verified { committed, path, states, root_entropy, next_entropy })
+    Ok(Verified { committed, path, tap_rows, root_entropy, next_entropy })
 }
 
 /// Every row's argmax and, with `entropy`, then every row's entropy (nats, f32): one host copy.
@@ -781,7 +800,7 @@ pub fn verify_round(
 fn read_back(logits: &Tensor, entropy: bool) -> Vec<f32> {
     let choices = logits.argmax(-1, false).to_kind(Kind::Float);
     let packed = if entropy { Tensor::cat(&[choices, entropies_nats(logits)], 0) } else { choices };
-    Vec::<f32>::try_from(packed.to_device(tch::Device::Cpu)).expect("a 1-D f32 tensor")
+    Vec::<f32>::try_from(glance_models::read_back(&packed)).expect("a 1-D f32 tensor")
 }
 
 /// Shannon entropy in nats of softmax over the last dimension of (rows, vocab) logits, in f32.
@@ -792,7 +811,7 @@ fn entropies_nats(logits: &Tensor) -> Tensor {
 
 /// What one greedy step committed ([root, next]), the root's tap states, and (when asked) the
 /// target's entropy at `next`.
-type Step = (Vec<i64>, Option<Tensor>, Option<f32>);
+type Step = (Vec<i64>, TapRows, Option<f32>);
 
 /// One plain greedy step (no drafter): forward the root, keep its tap states.
 fn greedy_step(
@@ -807,28 +826,83 @@ fn greedy_step(
     let logits = out.logits.as_ref().expect("logits were requested");
     let read = read_back(logits, with_entropy);
     let entropy = read.get(1).copied();
-    Ok((vec![root, read[0] as i64], gather_states(&out.taps, &[0], model.device()), entropy))
+    Ok((vec![root, read[0] as i64], TapRows { taps: out.taps, keep: vec![0] }, entropy))
 }
 
-/// Rows `keep` of the tapped states, concatenated over taps: (keep, taps·hidden).
-fn gather_states(taps: &[Tensor], keep: &[usize], device: tch::Device) -> Option<Tensor> {
-    if taps.is_empty() {
-        return None;
+/// The tap outputs of one target pass and which of its rows were committed. They are gathered
+/// straight into the history's store ([`TapRows::write_into`]: one call per tap), never
+/// concatenated into a tensor of their own first.
+pub struct TapRows {
+    /// One (rows, hidden) output per tapped layer, in the drafter's tap order.
+    taps: Vec<Tensor>,
+    /// Rows of the pass kept, strictly increasing: [0] for a greedy step, [root, accepted…] for a
+    /// verify pass.
+    keep: Vec<usize>,
+}
+
+impl TapRows {
+    /// Rows committed.
+    pub fn len(&self) -> usize {
+        self.keep.len()
     }
-    // A greedy step keeps row 0 only: a view, no index tensor.
-    let rows: Vec<Tensor> = if keep == [0] {
-        taps.iter().map(|t| t.narrow(0, 0, 1)).collect()
-    } else {
-        let index: Vec<i64> = keep.iter().map(|&k| k as i64).collect();
-        let index = glance_models::upload(&index, device);
-        taps.iter().map(|t| t.index_select(0, &index)).collect()
-    };
-    Some(Tensor::cat(&rows, -1))
+
+    pub fn is_empty(&self) -> bool {
+        self.keep.is_empty()
+    }
+
+    /// Writes the kept rows into `store` (keep, taps·hidden), tap by tap into its column block:
+    /// a copy of a view when the kept rows are a prefix of the pass (a greedy step, or a chain
+    /// accepted from the first children), else one `index_select` into the block per tap.
+    pub fn write_into(&self, store: &Tensor) {
+        let rows = self.keep.len() as i64;
+        let is_prefix = self.keep.iter().enumerate().all(|(i, &k)| i == k);
+        let index = (!is_prefix).then(|| {
+            let host: Vec<i64> = self.keep.iter().map(|&k| k as i64).collect();
+            glance_models::upload(&host, store.device())
+        });
+        let mut column = 0;
+        for tap in &self.taps {
+            let width = tap.size()[1];
+            let mut block = store.narrow(1, column, width);
+            match &index {
+                None => {
+                    block.copy_(&tap.narrow(0, 0, rows));
+                }
+                Some(index) => {
+                    let _ = tap.index_select_out(&block, 0, index);
+                }
+            }
+            column += width;
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tap_rows_gather_the_kept_rows_into_their_column_blocks() {
+        let taps = [
+            Tensor::randn([5, 3], (Kind::Float, tch::Device::Cpu)),
+            Tensor::randn([5, 2], (Kind::Float, tch::Device::Cpu)),
+        ];
+        for keep in [vec![0], vec![0, 1, 2], vec![0, 2, 3], vec![1, 4]] {
+            let index = Tensor::from_slice(&keep.iter().map(|&k| k as i64).collect::<Vec<_>>());
+            let expected =
+                Tensor::cat(&[taps[0].index_select(0, &index), taps[1].index_select(0, &index)], 1);
+            // The rows land in the middle of a larger store, as in the history.
+            let store = Tensor::full([keep.len() as i64 + 2, 5], -7.0, (Kind::Float, tch::Device::Cpu));
+            let rows = TapRows { taps: taps.iter().map(Tensor::shallow_clone).collect(), keep: keep.clone() };
+            rows.write_into(&store.narrow(0, 1, keep.len() as i64));
+            assert!(store.narrow(0, 1, keep.len() as i64).equal(&expected), "keep {keep:?}");
+            assert!(
+                store.narrow(0, 0, 1).eq(-7.0).all().int64_value(&[]) == 1,
+                "the row before is untouched"
+            );
+            assert!(store.narrow(0, keep.len() as i64 + 1, 1).eq(-7.0).all().int64_value(&[]) == 1);
+        }
+    }
 
     #[test]
     fn tree_mask_shows_prefix_and_ancestors_only() {

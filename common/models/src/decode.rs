@@ -227,7 +227,7 @@ pub fn teacher_forced(
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
 pub fn argmax_last(logits: &Tensor) -> i64 {
     let rows = logits.size()[0];
-    logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false).int64_value(&[])
+    crate::read_back(&logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false)).int64_value(&[])
 }
 
 /// Greedy decoding of several prompts at once, left-padded to one length and advancing

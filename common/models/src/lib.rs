@@ -20,6 +20,8 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 pub use config::{Family, TargetConfig};
+/// The host/device crossings, where the model code and its callers have always found them.
+pub use glance_device::{read_back, upload, upload_tensor};
 pub use text::{LogitRows, MropeLayout, RopeScaling, StepInput, StepOutput, TextConfig, VisionEmbeds};
 
 use crate::kv_cache::{CacheError, KvCache};
@@ -66,22 +68,6 @@ impl VisionTower {
             Self::Qwen3Vl(v) => v.forward(pixel_values, grids),
             Self::Qwen25Vl(v) => v.forward(pixel_values, grids),
         }
-    }
-}
-
-/// Small host data (token ids, positions, row indices) as an int64 tensor on `device`, without a
-/// host sync (see [`upload_tensor`]).
-pub fn upload(values: &[i64], device: Device) -> Tensor {
-    upload_tensor(&Tensor::from_slice(values), device)
-}
-
-/// A CPU tensor copied to `device`. On a GPU the copy goes through pinned memory without blocking,
-/// so it is not a host sync: the stream orders it before the kernels that read it (a plain
-/// `to_device` waits for the copy, and with it for every kernel queued before).
-pub fn upload_tensor(host: &Tensor, device: Device) -> Tensor {
-    match device {
-        Device::Cpu => host.shallow_clone(),
-        _ => host.pin_memory(device).to_device_(device, host.kind(), true, false),
     }
 }
 

@@ -221,7 +221,7 @@ impl Marginals {
             tch::no_grad(|| logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float).topk(k, -1, true, true));
         // One host copy: the ids travel as f32 beside the values (exact below 2^24).
         let packed = Tensor::cat(&[values.flatten(0, -1), indices.flatten(0, -1).to_kind(Kind::Float)], 0);
-        let packed = Vec::<f32>::try_from(packed.to_device(tch::Device::Cpu))
+        let packed = Vec::<f32>::try_from(glance_device::read_back(&packed))
             .map_err(|_| TreeError::LogitsShape(size.clone()))?;
         let (values, indices) = packed.split_at(packed.len() / 2);
         let ids: Vec<TokenId> = indices.iter().map(|&i| i as TokenId).collect();

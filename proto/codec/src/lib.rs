@@ -4,7 +4,7 @@
 
 use glance_spec::session::{DrafterKind, Handshake};
 use glance_spec::tree::Tree;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use glance_proto::drafter::v1 as pb;
 
@@ -37,7 +37,7 @@ fn kind_of(name: &str) -> Option<(Kind, usize)> {
 
 /// Serializes `tensor` as `kind` (bf16/f16 on the wire halve the bytes of f32 states).
 pub fn encode(tensor: &Tensor, kind: Kind) -> pb::TensorData {
-    let cpu = tensor.to_device(Device::Cpu).to_kind(kind).contiguous();
+    let cpu = glance_device::read_back(tensor).to_kind(kind).contiguous();
     let numel = cpu.numel();
     let element = kind_of(kind_name(kind)).map(|(_, size)| size).unwrap_or(4);
     let mut data = vec![0u8; numel * element];
@@ -112,6 +112,7 @@ pub fn handshake_response(h: Handshake) -> pb::HandshakeResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::Device;
 
     #[test]
     fn round_trips_and_checks_sizes() {

@@ -184,13 +184,20 @@ fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -
     let mut cache = model.new_cache(args.context + max_rows + 1);
     let mut mask = TreeMask::new(max_rows, cache.capacity(), model.kind(), model.device());
     fill_context(&mut cache, args.context, &model);
+    // The verifier's history rows the tap states are gathered into.
+    let states = Tensor::zeros([max_rows as i64, taps.len() as i64 * dims.hidden], (kind, device));
     let step_ms = best_of(args.repeats, || step(&model, &mut cache, args.context));
     let verify_ms = args
         .rows
         .iter()
         .map(|&n| {
             let tree = random_tree(n - 1, dims.vocab);
-            (n, best_of(args.repeats, || verify(&model, &mut cache, &mut mask, &tree, &taps, args.context)))
+            (
+                n,
+                best_of(args.repeats, || {
+                    verify(&model, &mut cache, &mut mask, &tree, &taps, &states, args.context)
+                }),
+            )
         })
         .collect();
     drop(cache);
@@ -256,17 +263,21 @@ fn step(model: &TargetModel, cache: &mut KvCache, context: usize) {
     cache.truncate(context);
 }
 
-/// One verify round as auto mode runs it (the next root's entropy read back).
+/// One verify round as auto mode runs it (the next root's entropy read back, the committed rows'
+/// tap states gathered into the history's buffer).
 fn verify(
     model: &TargetModel,
     cache: &mut KvCache,
     mask: &mut TreeMask,
     tree: &Tree,
     taps: &[usize],
+    states: &Tensor,
     context: usize,
 ) {
     let entropies = Entropies { root: false, next: true };
-    verify_round(model, cache, mask, 0, 1, tree, taps, entropies).expect("verify");
+    let verified = verify_round(model, cache, mask, 0, 1, tree, taps, entropies).expect("verify");
+    let rows = verified.tap_rows.len() as i64;
+    verified.tap_rows.write_into(&states.narrow(0, 0, rows));
     cache.truncate(context);
 }
 
@@ -410,7 +421,7 @@ fn peer(args: &Args, cell: &mut Cell) {
         "device": if args.device.starts_with("cuda") { "cuda" } else { "cpu" },
         "context": args.context, "rows": args.rows, "repeats": args.repeats, "threads": args.threads,
     });
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("reference/bench_round_peer.py");
+    let script = glance_tests::reference_script("bench_round_peer.py");
     let output = Command::new("python").arg(&script).arg("--shape").arg(shape.to_string()).output();
     let output = match output {
         Ok(o) if o.status.success() => o,

@@ -1,0 +1,96 @@
+//! glance-device: where tensors cross between the host and the device. The per-round code of both
+//! services moves data only through these functions: host data goes up with [`upload`] /
+//! [`upload_tensor`] (pinned memory, non-blocking on a GPU: no host sync), and results come back
+//! with [`read_back`] (a host sync on a GPU: it waits for every kernel queued before). Each call is
+//! counted per thread ([`crossings`]), so a test on the CPU can assert how many syncs a round takes
+//! on a GPU (on the CPU itself the calls cost nothing and move nothing).
+
+use std::cell::Cell;
+
+use tch::{Device, Tensor};
+
+thread_local! {
+    static UPLOADS: Cell<u64> = const { Cell::new(0) };
+    static READ_BACKS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Crossings made by this thread since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Crossings {
+    /// Host → device copies (not host syncs).
+    pub uploads: u64,
+    /// Device → host copies (each a host sync on a GPU).
+    pub read_backs: u64,
+}
+
+impl std::ops::Add for Crossings {
+    type Output = Crossings;
+
+    fn add(self, more: Crossings) -> Crossings {
+        Crossings { uploads: self.uploads + more.uploads, read_backs: self.read_backs + more.read_backs }
+    }
+}
+
+impl std::ops::Sub for Crossings {
+    type Output = Crossings;
+
+    fn sub(self, earlier: Crossings) -> Crossings {
+        Crossings {
+            uploads: self.uploads - earlier.uploads,
+            read_backs: self.read_backs - earlier.read_backs,
+        }
+    }
+}
+
+/// This thread's crossings so far; the difference of two readings is what ran in between.
+pub fn crossings() -> Crossings {
+    Crossings { uploads: UPLOADS.with(Cell::get), read_backs: READ_BACKS.with(Cell::get) }
+}
+
+fn count(counter: &'static std::thread::LocalKey<Cell<u64>>) {
+    counter.with(|c| c.set(c.get() + 1));
+}
+
+/// Small host data (token ids, positions, row indices) as an int64 tensor on `device`, without a
+/// host sync (see [`upload_tensor`]).
+pub fn upload(values: &[i64], device: Device) -> Tensor {
+    upload_tensor(&Tensor::from_slice(values), device)
+}
+
+/// A CPU tensor copied to `device`. On a GPU the copy goes through pinned memory without blocking,
+/// so it is not a host sync: the stream orders it before the kernels that read it (a plain
+/// `to_device` from pageable memory waits for the copy, and with it for every kernel queued before).
+pub fn upload_tensor(host: &Tensor, device: Device) -> Tensor {
+    count(&UPLOADS);
+    match device {
+        Device::Cpu => host.shallow_clone(),
+        _ => host.pin_memory(device).to_device_(device, host.kind(), true, false),
+    }
+}
+
+/// `tensor` on the host: a view when it is there already, else a copy that waits for the device
+/// (a host sync).
+pub fn read_back(tensor: &Tensor) -> Tensor {
+    count(&READ_BACKS);
+    tensor.to_device(Device::Cpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crossings_are_counted_per_thread() {
+        let before = crossings();
+        let up = upload(&[1, 2, 3], Device::Cpu);
+        let _ = read_back(&up);
+        let _ = read_back(&up);
+        assert_eq!(crossings() - before, Crossings { uploads: 1, read_backs: 2 });
+        let other = std::thread::spawn(|| {
+            let _ = upload(&[1], Device::Cpu);
+            crossings()
+        });
+        assert_eq!(other.join().unwrap(), Crossings { uploads: 1, read_backs: 0 });
+        assert_eq!(crossings() - before, Crossings { uploads: 1, read_backs: 2 }, "not this thread's");
+    }
+}
