@@ -1,6 +1,9 @@
 //! What the end-to-end benchmarks (`bench_toyworld`, `bench_chat`) share: the decoding modes they
-//! compare, the per-(prompt set, mode) totals taken from each response, and the entropy-law report.
+//! compare, the per-(prompt set, mode) totals taken from each response, the outputs that differ
+//! from autoregressive decoding (with the target's top-2 margin there), and the entropy-law report.
 
+use glance_models::decode::{teacher_forced, ModelInputs};
+use glance_models::{LogitRows, TargetModel};
 use glance_proto::v1 as pb;
 use glance_spec::law::{self, Form, Round};
 use serde_json::json;
@@ -25,6 +28,57 @@ pub fn modes(budgets: &[u32]) -> Vec<Mode> {
     modes.push(mode("chain".into(), pb::DecodingMode::SpeculativeChain, 0));
     modes.push(mode("prompt-lookup".into(), pb::DecodingMode::PromptLookup, 0));
     modes
+}
+
+/// An output that differs from the autoregressive one: where, and the target's top-2 logit margin
+/// there (a tie or near-tie in bf16 is rounding, not a bug).
+pub struct Divergence {
+    /// Which prompt, as the report names it.
+    pub prompt: String,
+    pub mode: String,
+    /// The first generated step that differs.
+    pub step: usize,
+    pub margin: f64,
+}
+
+impl Divergence {
+    pub fn json(&self) -> serde_json::Value {
+        json!({"prompt": self.prompt, "mode": self.mode, "step": self.step, "top2_margin": self.margin})
+    }
+}
+
+/// The first index where two token sequences differ (the shorter length when one is a prefix).
+pub fn first_difference(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len()))
+}
+
+/// The target's top-2 logit margin after the prompt and `prefix` (the autoregressive tokens before
+/// the step that differs): one teacher-forced pass in the model's own dtype.
+pub fn top2_margin(model: &TargetModel, inputs: &ModelInputs, prefix: &[u32]) -> f64 {
+    let _no_grad = tch::no_grad_guard();
+    let prefix: Vec<i64> = prefix.iter().map(|&t| i64::from(t)).collect();
+    let pass = teacher_forced(model, inputs, &prefix, &[], LogitRows::Last).expect("teacher-forced pass");
+    let logits = match pass.continuation.and_then(|c| c.logits) {
+        Some(rows) => rows.get(-1),
+        None => pass.prompt_logits.get(-1),
+    };
+    let (top, _) = logits.to_kind(tch::Kind::Float).topk(2, -1, true, true);
+    top.double_value(&[0]) - top.double_value(&[1])
+}
+
+/// The report's divergence section (markdown).
+pub fn divergence_section(divergences: &[Divergence]) -> String {
+    if divergences.is_empty() {
+        return "\nEvery output equals the autoregressive one.\n".into();
+    }
+    let mut md = format!(
+        "\n{} outputs differ from the autoregressive one (step, target top-2 logit margin there):\n\n",
+        divergences.len()
+    );
+    for d in divergences {
+        md += &format!("- prompt {} {}: step {}, margin {:.4}\n", d.prompt, d.mode, d.step, d.margin);
+    }
+    md
 }
 
 /// The decoding options of a benchmark request in `mode` (round logs on, for the entropy law).

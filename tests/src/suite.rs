@@ -42,7 +42,7 @@ pub struct SuitePrompt {
 /// for a VLM every other prompt carries an image, and every third one stops at EOS.
 pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> {
     let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).expect("prompt builder");
-    let model = TargetModel::load(dir, tch::Kind::Float, tch::Device::Cpu).expect("model");
+    let model = TargetModel::load(dir, tch::Kind::Float, crate::test_device()).expect("model");
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     (0..count)
         .map(|i| {

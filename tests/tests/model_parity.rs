@@ -6,13 +6,15 @@
 use glance_input::{PromptBuilder, PromptOptions};
 use glance_models::decode::{greedy_generate_batch, GreedyParams, ModelInputs};
 use glance_models::TargetModel;
-use glance_tests::{fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, Case, CASES, FAMILIES};
-use tch::{Device, Kind};
+use glance_tests::{
+    fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, test_device, Case, CASES, FAMILIES,
+};
+use tch::Kind;
 
 const TOLERANCE: f64 = 1e-4;
 
 fn load(dir: &std::path::Path) -> TargetModel {
-    TargetModel::load(dir, Kind::Float, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    TargetModel::load(dir, Kind::Float, test_device()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 #[test]
@@ -134,7 +136,7 @@ fn bf16_and_f16_run_close_to_the_f32_reference() {
         let reference = case.tensor("logits");
         let scale = reference.abs().max().double_value(&[]);
         for kind in [Kind::BFloat16, Kind::Half] {
-            let model = TargetModel::load(&dir, kind, Device::Cpu).expect("half-precision load");
+            let model = TargetModel::load(&dir, kind, test_device()).expect("half-precision load");
             let (logits, _) = prompt_forward(&model, &reference_inputs(&case), &[]);
             assert_eq!(logits.kind(), kind);
             let diff = max_abs_diff(&logits, reference);

@@ -11,14 +11,15 @@ use glance_input::{ChatMessage, ContentPart, InputError, PromptBuilder, PromptOp
 use glance_models::decode::{GreedyParams, ModelInputs};
 use glance_models::{Family, TargetModel};
 use glance_tests::{
-    fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, Case, TEXT_CASES, TEXT_FAMILIES,
+    fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, test_device, Case, TEXT_CASES,
+    TEXT_FAMILIES,
 };
-use tch::{Device, Kind};
+use tch::Kind;
 
 const TOLERANCE: f64 = 1e-4;
 
 fn load(dir: &Path, kind: Kind) -> TargetModel {
-    TargetModel::load(dir, kind, Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    TargetModel::load(dir, kind, test_device()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 #[test]
@@ -129,7 +130,7 @@ fn unsupported_configs_fail_at_load_naming_the_key() {
     ];
     for (what, key, edit) in edits {
         let dir = edited_copy(&root.join("tiny-qwen3"), what, edit);
-        let err = TargetModel::load(&dir, Kind::Float, Device::Cpu).err().expect("refused");
+        let err = TargetModel::load(&dir, Kind::Float, test_device()).err().expect("refused");
         assert!(err.to_string().contains(key), "{what}: {err}");
         std::fs::remove_dir_all(dir).ok();
     }

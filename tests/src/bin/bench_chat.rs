@@ -11,12 +11,11 @@ use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
-use glance_models::decode::teacher_forced;
-use glance_models::{LogitRows, TargetModel};
+use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_spec::law::Round;
-use glance_tests::bench::{self, Cell, Mode};
+use glance_tests::bench::{self, Cell, Divergence, Mode};
 use glance_tests::process::ServiceProcess;
 use serde_json::json;
 use tch::{Device, Kind};
@@ -54,18 +53,10 @@ struct Args {
     /// The Python that runs transformers for the peer; `off` skips it.
     #[arg(long, default_value = ".venv/bin/python")]
     peer_python: String,
-    /// Output prefix: PREFIX.json, PREFIX.md and PREFIX-law.png (default bench-chat-DTYPE).
+    /// Output prefix: PREFIX.json, PREFIX.md and PREFIX-law.png (default bench-chat-DTYPE); while
+    /// it runs, PREFIX.partial.* hold the prompts done so far.
     #[arg(long)]
     out: Option<String>,
-}
-
-/// A prompt whose output in some mode differs from the autoregressive one.
-struct Divergence {
-    prompt: usize,
-    mode: String,
-    step: usize,
-    /// The target's top-2 logit margin at that step (after the common prefix).
-    margin: f64,
 }
 
 /// What transformers' greedy `generate` did on the same prompts.
@@ -135,23 +126,31 @@ async fn main() {
                 ar_tokens.push(r.token_ids.clone());
             }
             if !cells[m].record(&r, &ar_tokens[p]) {
-                diverged.push((p, mode.name.clone(), first_difference(&r.token_ids, &ar_tokens[p])));
+                diverged.push((p, mode.name.clone(), bench::first_difference(&r.token_ids, &ar_tokens[p])));
             }
             bar.inc(1);
         }
+        // A long run leaves its figures so far behind (no margins or peer yet), prompt by prompt.
+        let partial = format!("{out}.partial");
+        let (json, md) = report(&args, &modes, &cells, &[], None, &ar_tokens, &partial);
+        write_report(&partial, &json, &md);
     }
     bar.finish_and_clear();
     drop((verifier, drafter));
     let divergences = margins(&args, prompts, &ar_tokens, diverged);
     let peer = peer(&args, prompts);
     let (json, md) = report(&args, &modes, &cells, &divergences, peer.as_ref(), &ar_tokens, &out);
-    std::fs::write(format!("{out}.json"), serde_json::to_string_pretty(&json).unwrap()).expect("json");
-    std::fs::write(format!("{out}.md"), &md).expect("markdown");
+    write_report(&out, &json, &md);
+    let _ = std::fs::remove_file(format!("{out}.partial.json"));
+    let _ = std::fs::remove_file(format!("{out}.partial.md"));
+    let _ = std::fs::remove_file(format!("{out}.partial-law.png"));
     println!("{md}");
 }
 
-fn first_difference(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len()))
+/// PREFIX.json and PREFIX.md.
+fn write_report(prefix: &str, json: &serde_json::Value, md: &str) {
+    std::fs::write(format!("{prefix}.json"), serde_json::to_string_pretty(json).unwrap()).expect("json");
+    std::fs::write(format!("{prefix}.md"), md).expect("markdown");
 }
 
 /// The target's top-2 logit margin at each divergence, from one teacher-forced pass over the
@@ -168,20 +167,12 @@ fn margins(
     let kind = if args.dtype == "bf16" { Kind::BFloat16 } else { Kind::Float };
     let model = TargetModel::load(&args.model, kind, Device::Cpu).expect("the model loads");
     let builder = PromptBuilder::from_model_dir(&args.model, PromptOptions::default()).expect("prompts");
-    let _no_grad = tch::no_grad_guard();
     diverged
         .into_iter()
         .map(|(prompt, mode, step)| {
             let inputs = builder.build(&user(&prompts[prompt])).expect("prompt").model_inputs();
-            let prefix: Vec<i64> = ar[prompt][..step].iter().map(|&t| t as i64).collect();
-            let pass = teacher_forced(&model, &inputs, &prefix, &[], LogitRows::Last).expect("pass");
-            let logits = match pass.continuation.and_then(|c| c.logits) {
-                Some(rows) => rows.get(-1),
-                None => pass.prompt_logits.get(-1),
-            };
-            let (top, _) = logits.to_kind(Kind::Float).topk(2, -1, true, true);
-            let margin = top.double_value(&[0]) - top.double_value(&[1]);
-            Divergence { prompt, mode, step, margin }
+            let margin = bench::top2_margin(&model, &inputs, &ar[prompt][..step]);
+            Divergence { prompt: prompt.to_string(), mode, step, margin }
         })
         .collect()
 }
@@ -274,12 +265,12 @@ fn report(
         eprintln!("bench_chat: no plot: {e}");
     }
     let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.dtype, &mut md));
-    md += &divergence_section(divergences);
+    md += &bench::divergence_section(divergences);
     let json = json!({
         "model": model, "dtype": args.dtype, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
         "threads_per_service": args.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
         "law_mode": law_name, "peer": peer_json,
-        "divergences": divergences.iter().map(|d| json!({"prompt": d.prompt, "mode": d.mode, "step": d.step, "top2_margin": d.margin})).collect::<Vec<_>>(),
+        "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),
     });
     (json, md)
 }
@@ -303,18 +294,4 @@ fn peer_section(
         ar_tokens.len()
     );
     json!({"tokens_per_s": theirs, "ours_tokens_per_s": ours, "ratio": ours / theirs, "identical": same})
-}
-
-fn divergence_section(divergences: &[Divergence]) -> String {
-    if divergences.is_empty() {
-        return "\nEvery output equals the autoregressive one.\n".into();
-    }
-    let mut md = format!(
-        "\n{} outputs differ from the autoregressive one (step, target top-2 logit margin there):\n\n",
-        divergences.len()
-    );
-    for d in divergences {
-        md += &format!("- prompt {} {}: step {}, margin {:.4}\n", d.prompt, d.mode, d.step, d.margin);
-    }
-    md
 }

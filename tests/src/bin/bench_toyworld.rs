@@ -2,16 +2,20 @@
 //! prompts (after a warm-up) decoded autoregressively, with the GLANCE tree at several budgets, the
 //! chain and prompt lookup; per task and geometric mean: tau pooled over rounds, speed-up (AR
 //! ms/token ÷ mode ms/token, decode window), accepted-per-depth histogram, round breakdown, mean
-//! root entropy, the per-prompt lossless check, and the entropy-law fit. Writes JSON and markdown.
+//! root entropy, the per-prompt lossless check (every output that differs from the autoregressive
+//! one, with the target's top-2 margin there: in bf16 a verify pass and a one-row step may round
+//! differently), and the entropy-law fit. Writes JSON and markdown.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use clap::Parser;
+use glance_input::{PromptBuilder, PromptOptions};
+use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_spec::law::Round;
-use glance_tests::bench::{self, Cell, Mode};
+use glance_tests::bench::{self, Cell, Divergence, Mode};
 use glance_tests::process::ServiceProcess;
 use glance_toyworld::{sample, Split, Task};
 use serde_json::json;
@@ -44,6 +48,9 @@ struct Args {
     /// service had its own device (as in production).
     #[arg(long, default_value_t = 1)]
     threads_per_service: u32,
+    /// `f32`, `bf16` or `f16`, for both services (and the margins at divergences).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// The entropy-law decile plot.
     #[arg(long, default_value = "bench-toyworld-law.png")]
     plot: PathBuf,
@@ -77,10 +84,14 @@ async fn main() {
     let args = Args::parse();
     let threads = args.threads_per_service.to_string();
     let env = [("OMP_NUM_THREADS", threads.as_str())];
-    let drafter = ServiceProcess::block_head_drafter(&args.head, &args.target, &env);
+    let (head, target) = (args.head.to_str().expect("utf-8"), args.target.to_str().expect("utf-8"));
+    let drafter = ServiceProcess::drafter_with_env(
+        &["--kind", "block-head", "--head", head, "--target", target, "--dtype", &args.dtype],
+        &env,
+    );
     let verifier = ServiceProcess::verifier_with_env(
         &args.target,
-        &["--drafter", &drafter.url, "--max-tree-budget", "256"],
+        &["--drafter", &drafter.url, "--max-tree-budget", "256", "--dtype", &args.dtype],
         &env,
     );
     let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
@@ -91,23 +102,33 @@ async fn main() {
     }
     let bar = indicatif::ProgressBar::new(Task::ALL.len() as u64 * args.prompts * modes.len() as u64);
     let mut cells: BTreeMap<(usize, usize), Cell> = BTreeMap::new();
+    let mut diverged = Vec::new();
     for (t, &task) in Task::ALL.iter().enumerate() {
         for index in 0..args.prompts {
             let s = sample(Split::HeldOut, task, args.seed, index);
-            let mut reference = None;
+            let mut reference: Option<Vec<u32>> = None;
             for (m, mode) in modes.iter().enumerate() {
                 let response =
                     client.generate(request(&s, mode, args.max_new_tokens)).await.expect("generate");
                 let r = response.into_inner();
                 let cell = cells.entry((t, m)).or_default();
-                cell.record(&r, reference.get_or_insert_with(|| r.token_ids.clone()));
+                let ar = reference.get_or_insert_with(|| r.token_ids.clone());
+                if !cell.record(&r, ar) {
+                    let step = bench::first_difference(&r.token_ids, ar);
+                    let label = format!("{}/{index}", task.name());
+                    diverged.push((label, s.messages(), ar[..step].to_vec(), mode.name.clone(), step));
+                }
                 bar.inc(1);
             }
         }
     }
     bar.finish_and_clear();
+    let divergences = margins(&args, diverged);
     let text = off_distribution(&args, &mut client, &modes).await;
     let mut report = report(&args, &modes, &cells);
+    report.0["divergences"] = divergences.iter().map(Divergence::json).collect();
+    report.0["dtype"] = args.dtype.clone().into();
+    report.1 += &bench::divergence_section(&divergences);
     if let Some((json, md)) = text {
         report.0["off_distribution"] = json;
         report.1 += &md;
@@ -115,6 +136,29 @@ async fn main() {
     std::fs::write(&args.json, serde_json::to_string_pretty(&report.0).unwrap()).expect("json");
     std::fs::write(&args.markdown, &report.1).expect("markdown");
     println!("{}", report.1);
+}
+
+/// An output that differs from the autoregressive one: the prompt's label and messages, the
+/// autoregressive tokens before the step, the mode and the step.
+type Diverged = (String, Vec<glance_input::ChatMessage>, Vec<u32>, String, usize);
+
+/// The target's top-2 margin at each divergence, in the run's dtype, on the tests' device
+/// (`GLANCE_TEST_DEVICE`).
+fn margins(args: &Args, diverged: Vec<Diverged>) -> Vec<Divergence> {
+    if diverged.is_empty() {
+        return Vec::new();
+    }
+    let kind = glance_models::weights::parse_kind(&args.dtype).expect("--dtype: f32, bf16 or f16");
+    let model = TargetModel::load(&args.target, kind, glance_tests::test_device()).expect("the target loads");
+    let builder = PromptBuilder::from_model_dir(&args.target, PromptOptions::default()).expect("prompts");
+    diverged
+        .into_iter()
+        .map(|(prompt, messages, prefix, mode, step)| {
+            let inputs = builder.build(&messages).expect("prompt").model_inputs();
+            let margin = bench::top2_margin(&model, &inputs, &prefix);
+            Divergence { prompt, mode, step, margin }
+        })
+        .collect()
 }
 
 /// The off-distribution check: text-only prompts, `ignore_eos`, every mode; per mode tau and the
