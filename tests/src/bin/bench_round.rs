@@ -9,7 +9,8 @@
 //! (mask, target pass with taps, argmax and entropy read back, acceptance walk, KV compaction,
 //! tap gather) over a best-first tree of n−1 nodes plus the root; the drafter's block-head session
 //! (`append_context` + `draft`: head pass, marginals, tree). Each figure is the best of
-//! `--repeats` after a warm-up, so that a GPU pass is timed to completion by its read-back.
+//! `--repeats` after a warm-up, so that a GPU pass is timed to completion by its read-back. Each
+//! piece's host syncs per call (read-backs, counted at `glance-device`) are reported beside it.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -107,6 +108,22 @@ struct Dims {
     vocab: i64,
 }
 
+/// Host syncs per call of each timed piece.
+#[derive(Debug, serde::Serialize)]
+struct HostSyncs {
+    step: f64,
+    /// A verify round of the largest n (its tap-state copy for the wire is the drafter hop's).
+    verify: f64,
+    draft: f64,
+}
+
+/// Read-backs per call of `f` over `calls` calls.
+fn read_backs_per_call(calls: usize, f: impl FnOnce()) -> f64 {
+    let before = glance_device::crossings();
+    f();
+    (glance_device::crossings() - before).read_backs as f64 / calls as f64
+}
+
 /// One (shape, dtype) cell of the table.
 #[derive(Debug, serde::Serialize)]
 struct Cell {
@@ -119,6 +136,8 @@ struct Cell {
     draft_ms: f64,
     /// Tap-state bytes one round sends (rows_per_round rows of taps·hidden).
     state_bytes_per_round: i64,
+    /// Device → host read-backs (each a host sync on a GPU), counted at `glance-device`.
+    host_syncs: HostSyncs,
     peer_step_ms: Option<f64>,
     peer_verify_ms: Vec<(usize, f64)>,
 }
@@ -200,8 +219,16 @@ fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -
             )
         })
         .collect();
+    let step_syncs = read_backs_per_call(1, || step(&model, &mut cache, args.context));
+    let tree = random_tree(max_rows - 1, dims.vocab);
+    let verify_syncs =
+        read_backs_per_call(1, || verify(&model, &mut cache, &mut mask, &tree, &taps, &states, args.context));
     drop(cache);
-    let draft_ms = draft_pass_ms(args, &model, &dims, &taps);
+    let mut draft_ms = 0.0;
+    // draft_pass_ms runs a context round, a warm-up and `repeats` rounds.
+    let draft_syncs =
+        read_backs_per_call(args.repeats.max(1) + 2, || draft_ms = draft_pass_ms(args, &model, &dims, &taps));
+    let host_syncs = HostSyncs { step: step_syncs, verify: verify_syncs, draft: draft_syncs };
     let state_bytes_per_round =
         (args.rows_per_round * taps.len()) as i64 * dims.hidden * kind.elt_size_in_bytes() as i64;
     Cell {
@@ -212,6 +239,7 @@ fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -
         verify_ms,
         draft_ms,
         state_bytes_per_round,
+        host_syncs,
         peer_step_ms: None,
         peer_verify_ms: Vec::new(),
     }
@@ -455,12 +483,12 @@ fn markdown(cells: &[Cell], args: &Args) -> String {
     for n in rows {
         out.push_str(&format!(" v({n})/step |"));
     }
-    out.push_str(" draft/step | state KiB/round | peer step ms |");
+    out.push_str(" draft/step | state KiB/round | host syncs step / verify / draft | peer step ms |");
     for n in rows {
         out.push_str(&format!(" peer v({n})/step |"));
     }
     out.push_str(" ours/peer v(16) |\n|---|---|---|");
-    out.push_str(&"---|".repeat(2 * rows.len() + 4));
+    out.push_str(&"---|".repeat(2 * rows.len() + 5));
     out.push('\n');
     for cell in cells {
         out.push_str(&row_markdown(cell, rows));
@@ -484,10 +512,14 @@ fn row_markdown(cell: &Cell, rows: &[usize]) -> String {
     for &n in rows {
         line.push_str(&ratio(&cell.verify_ms, n, Some(cell.step_ms)));
     }
+    let syncs = &cell.host_syncs;
     line.push_str(&format!(
-        " {:.2} | {:.1} |",
+        " {:.2} | {:.1} | {} / {} / {} |",
         cell.draft_ms / cell.step_ms,
-        cell.state_bytes_per_round as f64 / 1024.0
+        cell.state_bytes_per_round as f64 / 1024.0,
+        syncs.step,
+        syncs.verify,
+        syncs.draft
     ));
     line.push_str(&cell.peer_step_ms.map_or(" – |".to_string(), |ms| format!(" {ms:.2} |")));
     for &n in rows {
