@@ -1,0 +1,5 @@
+include!("../../build-support/link_libtorch.rs");
+
+fn main() {
+    link_libtorch();
+}
