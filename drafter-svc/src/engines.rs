@@ -112,12 +112,17 @@ impl Session for BlockHeadSession {
         }
         if first + tokens.len() > self.max_context {
             return Err(DraftError::Capacity(format!(
-                "{} positions over {}",
+                "{} positions, past the session's context limit of {}",
                 first + tokens.len(),
                 self.max_context
             )));
         }
         self.history.append(first, tokens)?;
+        // States that come from the host (an in-process caller; drafter-svc uploads its own) go up
+        // without blocking.
+        let device = self.head.device();
+        let states =
+            if states.device() == device { states } else { glance_models::upload_tensor(&states, device) };
         self.pending.push(states);
         Ok(())
     }

@@ -3,7 +3,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use drafter_svc::{engines, service::DrafterService, testing};
+use drafter_svc::service::{DrafterService, SessionLimits};
+use drafter_svc::{engines, testing};
 use glance_models::weights::{parse_device, parse_kind};
 use glance_models::TargetConfig;
 use glance_proto::drafter::v1 as pb;
@@ -70,6 +71,14 @@ struct ServeArgs {
     /// Context positions one session may hold.
     #[arg(long, env = "GLANCE_DRAFTER_MAX_CONTEXT", default_value_t = 32768)]
     max_context: usize,
+    /// Draft sessions (generations) open at once; more are refused with RESOURCE_EXHAUSTED and the
+    /// verifier decodes them without a drafter. Each holds a thread and a draft KV cache.
+    #[arg(long, env = "GLANCE_DRAFTER_MAX_SESSIONS", default_value_t = 64)]
+    max_sessions: usize,
+    /// A session that receives nothing for this long is closed and its cache freed (an abandoned
+    /// stream; a verifier that comes back re-sends its context to a fresh session).
+    #[arg(long, env = "GLANCE_DRAFTER_SESSION_IDLE_TIMEOUT_S", default_value_t = 300.0)]
+    session_idle_timeout_s: f64,
     /// Test drafters: block size and vocabulary.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -88,6 +97,9 @@ struct ServeArgs {
     stall_every: usize,
     #[arg(long, default_value_t = 0)]
     stall_ms: u64,
+    /// Fault injection: every N-th round of a session panics inside the engine (0: never).
+    #[arg(long, default_value_t = 0)]
+    panic_every: usize,
 }
 
 /// The shape of a fresh draft head (`init`, and `train` without `--init`).
@@ -259,11 +271,12 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
             args.malformed_rate,
         )),
     };
-    if args.stall_every > 0 {
-        return Ok(Box::new(testing::StallingEngine {
+    if args.stall_every > 0 || args.panic_every > 0 {
+        return Ok(Box::new(testing::FaultyEngine {
             inner: engine,
-            every: args.stall_every,
-            delay: Duration::from_millis(args.stall_ms),
+            stall_every: args.stall_every,
+            stall: Duration::from_millis(args.stall_ms),
+            panic_every: args.panic_every,
         }));
     }
     Ok(engine)
@@ -285,7 +298,13 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<pb::drafter_server::DrafterServer<DrafterService>>().await;
-    let drafter = pb::drafter_server::DrafterServer::new(DrafterService::new(engine, device))
+    let limits = SessionLimits {
+        max_sessions: args.max_sessions,
+        max_context: args.max_context,
+        idle_timeout: Duration::try_from_secs_f64(args.session_idle_timeout_s)
+            .map_err(|e| format!("--session-idle-timeout-s {}: {e}", args.session_idle_timeout_s))?,
+    };
+    let drafter = pb::drafter_server::DrafterServer::new(DrafterService::new(engine, device, limits))
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
     // Scripts and tests wait for this line.

@@ -2,6 +2,10 @@
 
 /// Draft streams (generations) open now: the autoscaling signal of the drafter pool.
 pub const SESSIONS_OPEN: &str = "glance_drafter_sessions_open";
+/// Most draft streams one drafter admits (`--max-sessions`).
+pub const SESSIONS_LIMIT: &str = "glance_drafter_sessions_limit";
+/// Draft streams refused because the limit was reached.
+pub const SESSIONS_REFUSED: &str = "glance_drafter_sessions_refused_total";
 /// Rounds answered with a tree.
 pub const ROUNDS: &str = "glance_drafter_rounds_total";
 /// Rounds that ended their session with an error.
@@ -18,6 +22,8 @@ pub fn buckets() -> Vec<(&'static str, &'static [f64])> {
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_gauge!(SESSIONS_OPEN, "Draft streams open now.");
+    describe_gauge!(SESSIONS_LIMIT, "Most draft streams this drafter admits.");
+    describe_counter!(SESSIONS_REFUSED, "Draft streams refused at the session limit.");
     describe_counter!(ROUNDS, "Rounds answered with a tree.");
     describe_counter!(FAILED_ROUNDS, "Rounds that ended their session with an error.");
     describe_histogram!(DRAFT_LATENCY, Unit::Seconds, "Head forward plus tree building per round.");

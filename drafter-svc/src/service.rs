@@ -1,39 +1,59 @@
 //! The internal `glance.drafter.v1.Drafter` gRPC service: a handshake that states what this drafter is
 //! (and refuses a verifier whose target it was not built for), and one bidirectional stream per
-//! generation whose session runs on its own thread.
+//! generation whose session runs on its own thread. The peer is not trusted: every message is
+//! checked before it reaches the engine (tokens inside the vocabulary, positions inside the context
+//! limit, tensors the codec accepts), a panic in a session becomes an INTERNAL status instead of a
+//! silently ended stream, sessions are admitted up to a limit, and an idle one is closed.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use glance_codec as codec;
 use glance_proto::drafter::v1 as pb;
 use glance_spec::session::{DraftEngine, DraftError, RoundInput, Session};
 use tch::Device;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics as names;
 
+/// What one drafter-svc admits.
+#[derive(Clone, Copy, Debug)]
+pub struct SessionLimits {
+    /// Draft sessions open at once (each holds a thread and a draft KV cache).
+    pub max_sessions: usize,
+    /// Context positions one session may hold.
+    pub max_context: usize,
+    /// A session that receives nothing for this long is closed and its cache freed.
+    pub idle_timeout: Duration,
+}
+
 pub struct DrafterService {
     engine: Arc<dyn DraftEngine>,
     /// Device the tap states are moved to before drafting.
     device: Device,
+    limits: SessionLimits,
+    /// One permit per session that may open.
+    admission: Arc<Semaphore>,
 }
 
 impl DrafterService {
-    pub fn new(engine: Arc<dyn DraftEngine>, device: Device) -> Self {
-        Self { engine, device }
+    pub fn new(engine: Arc<dyn DraftEngine>, device: Device, limits: SessionLimits) -> Self {
+        metrics::gauge!(names::SESSIONS_LIMIT).set(limits.max_sessions as f64);
+        let admission = Arc::new(Semaphore::new(limits.max_sessions));
+        Self { engine, device, limits, admission }
     }
 }
 
 /// The gRPC status of a failed round.
 fn status_of(e: DraftError) -> Status {
     match e {
-        DraftError::ContextGap { .. } | DraftError::RootPosition { .. } | DraftError::States(_) => {
-            Status::invalid_argument(e.to_string())
-        }
-        DraftError::Capacity(_) => Status::resource_exhausted(e.to_string()),
+        DraftError::ContextGap { .. }
+        | DraftError::RootPosition { .. }
+        | DraftError::States(_)
+        | DraftError::Capacity(_) => Status::invalid_argument(e.to_string()),
         DraftError::Internal(_) => Status::internal(e.to_string()),
     }
 }
@@ -64,17 +84,26 @@ impl pb::drafter_server::Drafter for DrafterService {
         // The session's spans join the verifier's trace (traceparent in the stream's metadata).
         let span = tracing::info_span!("draft_session");
         glance_telemetry::continue_trace(&span, request.metadata());
+        let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
+            metrics::counter!(names::SESSIONS_REFUSED).increment(1);
+            Status::resource_exhausted(format!(
+                "all {} draft sessions of this drafter are open (--max-sessions, GLANCE_DRAFTER_MAX_SESSIONS)",
+                self.limits.max_sessions
+            ))
+        })?;
         let inbound = request.into_inner();
         let (replies, stream) = mpsc::channel(4);
         let session = self.engine.new_session();
-        let device = self.device;
+        let checks =
+            Checks { device: self.device, vocab: self.engine.handshake().vocab_size, limits: self.limits };
         let runtime = tokio::runtime::Handle::current();
+        let requests = Requests { inbound, runtime, idle_timeout: self.limits.idle_timeout };
         // The session (and its draft KV cache) lives on this thread until the stream ends. The
         // thread reads the stream itself: a request wakes it straight from the connection's task,
         // with no forwarding task and queue in between (one thread hand-off less per round).
         std::thread::Builder::new()
             .name("draft-session".into())
-            .spawn(move || run_session(session, Requests { inbound, runtime }, replies, device, span))
+            .spawn(move || run_session(session, requests, replies, checks, span, permit))
             .map_err(|e| Status::resource_exhausted(format!("cannot start a draft session: {e}")))?;
         Ok(Response::new(ReceiverStream::new(stream)))
     }
@@ -84,36 +113,78 @@ impl pb::drafter_server::Drafter for DrafterService {
 struct Requests {
     inbound: Streaming<pb::DraftRequest>,
     runtime: tokio::runtime::Handle,
+    idle_timeout: Duration,
 }
 
 impl Iterator for Requests {
-    type Item = pb::DraftRequest;
+    type Item = Result<pb::DraftRequest, Status>;
 
-    /// The next request; `None` once the verifier ends the stream (or it breaks).
-    fn next(&mut self) -> Option<pb::DraftRequest> {
-        match self.runtime.block_on(self.inbound.message()) {
-            Ok(message) => message,
-            Err(status) => {
-                tracing::debug!(%status, "draft stream ended by the verifier");
-                None
-            }
+    /// The next request; `None` once the verifier ends the stream. A message the transport
+    /// refused (too large, undecodable) is its status, and so is a session idle past the timeout.
+    fn next(&mut self) -> Option<Self::Item> {
+        let (idle_timeout, inbound) = (self.idle_timeout, &mut self.inbound);
+        // The timer is made inside the runtime (it needs its time driver).
+        let next =
+            self.runtime.block_on(async { tokio::time::timeout(idle_timeout, inbound.message()).await });
+        match next {
+            Ok(message) => message.transpose(),
+            Err(_) => Some(Err(Status::deadline_exceeded(format!(
+                "draft session idle for {:?}: closed (--session-idle-timeout-s)",
+                self.idle_timeout
+            )))),
         }
     }
 }
 
-fn run_session(
-    mut session: Box<dyn Session>,
-    queue: Requests,
-    replies: mpsc::Sender<Result<pb::DraftResponse, Status>>,
+/// What a session checks each message against before the engine sees it.
+#[derive(Clone, Copy)]
+struct Checks {
     device: Device,
+    /// Token ids must be below this (0: the engine has no vocabulary).
+    vocab: usize,
+    limits: SessionLimits,
+}
+
+/// The session thread: every message answered in order until the stream ends or fails. A panic
+/// anywhere in it (the engine, the codec, libtorch) is answered as INTERNAL: the stream never just
+/// ends as if the verifier had closed it.
+fn run_session(
+    session: Box<dyn Session>,
+    requests: Requests,
+    replies: mpsc::Sender<Result<pb::DraftResponse, Status>>,
+    checks: Checks,
     span: tracing::Span,
+    _permit: OwnedSemaphorePermit,
 ) {
     let _no_grad = tch::no_grad_guard();
     metrics::gauge!(names::SESSIONS_OPEN).increment(1.0);
     let _closed = scopeguard(|| metrics::gauge!(names::SESSIONS_OPEN).decrement(1.0));
-    for message in queue {
-        let round_span = tracing::info_span!(parent: &span, "draft_round", rows = message.context.as_ref().map_or(0, |c| c.tokens.len()));
-        let answer = round_span.in_scope(|| handle(session.as_mut(), message, device));
+    let answered = catch_unwind(AssertUnwindSafe(|| answer_all(session, requests, &replies, checks, &span)));
+    if let Err(panic) = answered {
+        let reason = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        tracing::error!(%reason, "draft session panicked");
+        metrics::counter!(names::FAILED_ROUNDS).increment(1);
+        let _ = replies.blocking_send(Err(Status::internal(format!("draft session failed: {reason}"))));
+    }
+}
+
+fn answer_all(
+    mut session: Box<dyn Session>,
+    requests: Requests,
+    replies: &mpsc::Sender<Result<pb::DraftResponse, Status>>,
+    checks: Checks,
+    span: &tracing::Span,
+) {
+    for message in requests {
+        let answer = message.and_then(|message| {
+            let rows = message.context.as_ref().map_or(0, |c| c.tokens.len());
+            let round_span = tracing::info_span!(parent: span, "draft_round", rows);
+            round_span.in_scope(|| handle(session.as_mut(), message, checks))
+        });
         match answer {
             Ok(None) => {}
             Ok(Some(response)) => {
@@ -146,18 +217,53 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     Guard(Some(f))
 }
 
+/// The message's tokens and positions against the vocabulary and the context limit.
+fn check_message(message: &pb::DraftRequest, checks: Checks) -> Result<(), Status> {
+    let limit = checks.limits.max_context as u64;
+    let vocab = checks.vocab as u64;
+    let in_vocab = |field: &str, token: u32| {
+        if vocab == 0 || u64::from(token) < vocab {
+            Ok(())
+        } else {
+            Err(Status::invalid_argument(format!(
+                "{field}: token {token} is outside the vocabulary of {vocab}"
+            )))
+        }
+    };
+    if let Some(context) = &message.context {
+        let end = context.first_position.saturating_add(context.tokens.len() as u64);
+        if end > limit {
+            return Err(Status::invalid_argument(format!(
+                "context rows reach position {end}, past the session's context limit of {limit} (--max-context)"
+            )));
+        }
+        context.tokens.iter().try_for_each(|&t| in_vocab("context.tokens", t))?;
+    }
+    if let Some(round) = &message.round {
+        if round.root_position >= limit {
+            return Err(Status::invalid_argument(format!(
+                "round.root_position {} is past the session's context limit of {limit} (--max-context)",
+                round.root_position
+            )));
+        }
+        in_vocab("round.root_token", round.root_token)?;
+    }
+    Ok(())
+}
+
 /// Appends the context rows and, on a round message, drafts a tree.
 fn handle(
     session: &mut dyn Session,
     message: pb::DraftRequest,
-    device: Device,
+    checks: Checks,
 ) -> Result<Option<pb::DraftResponse>, Status> {
     let started = Instant::now();
+    check_message(&message, checks)?;
     if let Some(context) = message.context {
         let states = match &context.states {
             Some(data) => {
                 let host = codec::decode(data).map_err(|e| Status::invalid_argument(e.to_string()))?;
-                Some(glance_models::upload_tensor(&host, device))
+                Some(glance_models::upload_tensor(&host, checks.device))
             }
             None => None,
         };

@@ -177,37 +177,46 @@ impl GarbageSession {
     }
 }
 
-/// Wraps an engine so that every `every`-th round of a session stalls for `delay` first: the
-/// verifier's per-round deadline and fallback under a slow drafter.
-pub struct StallingEngine {
+/// Wraps an engine to inject faults: every `stall_every`-th round of a session stalls for `stall`
+/// first (the verifier's per-round deadline and fallback under a slow drafter), and every
+/// `panic_every`-th round panics inside the engine (the service's INTERNAL answer). 0: never.
+pub struct FaultyEngine {
     pub inner: Box<dyn DraftEngine>,
-    pub every: usize,
-    pub delay: std::time::Duration,
+    pub stall_every: usize,
+    pub stall: std::time::Duration,
+    pub panic_every: usize,
 }
 
-impl DraftEngine for StallingEngine {
+impl DraftEngine for FaultyEngine {
     fn handshake(&self) -> Handshake {
         self.inner.handshake()
     }
 
     fn new_session(&self) -> Box<dyn Session> {
-        Box::new(StallingSession {
+        Box::new(FaultySession {
             inner: self.inner.new_session(),
-            every: self.every.max(1),
-            delay: self.delay,
+            stall_every: self.stall_every,
+            stall: self.stall,
+            panic_every: self.panic_every,
             rounds: 0,
         })
     }
 }
 
-struct StallingSession {
+struct FaultySession {
     inner: Box<dyn Session>,
-    every: usize,
-    delay: std::time::Duration,
+    stall_every: usize,
+    stall: std::time::Duration,
+    panic_every: usize,
     rounds: usize,
 }
 
-impl Session for StallingSession {
+/// Whether the `round`-th round (from 1) is one of every `every` (0: none).
+fn every(round: usize, every: usize) -> bool {
+    every > 0 && round.is_multiple_of(every)
+}
+
+impl Session for FaultySession {
     fn append_context(
         &mut self,
         first: usize,
@@ -219,8 +228,11 @@ impl Session for StallingSession {
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.rounds += 1;
-        if self.rounds.is_multiple_of(self.every) {
-            std::thread::sleep(self.delay);
+        if every(self.rounds, self.stall_every) {
+            std::thread::sleep(self.stall);
+        }
+        if every(self.rounds, self.panic_every) {
+            panic!("injected fault: round {} of this session", self.rounds);
         }
         self.inner.draft(round)
     }

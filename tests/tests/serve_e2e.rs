@@ -167,10 +167,26 @@ async fn health_reflection_and_model_info() {
 async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
     let Some(root) = fixtures() else { return };
     let dir = root.join("tiny-qwen3-vl");
-    let args = ["--max-images", "2", "--context-window", "256", "--max-new-tokens-limit", "64"];
+    let args = [
+        "--max-images",
+        "2",
+        "--context-window",
+        "256",
+        "--max-new-tokens-limit",
+        "64",
+        "--max-image-bytes",
+        "100000",
+        "--max-request-bytes",
+        "4000000",
+    ];
     let server = ServiceProcess::verifier(&dir, &args);
-    let mut client = connect(&server.url).await;
+    let mut client = connect(&server.url).await.max_encoding_message_size(64 << 20);
     let good_png = std::fs::read(dir.join("reference/images/square.png")).unwrap();
+    let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!((info.max_image_bytes, info.max_request_bytes), (100_000, 4_000_000));
+    // The text bound is what 256 tokens can hold, and no less than 256 bytes.
+    let text_limit = info.max_text_bytes as usize;
+    assert!((256..4_000_000).contains(&text_limit), "{text_limit}");
 
     let cases: Vec<(&str, pb::GenerateRequest, Code, &str)> = vec![
         (
@@ -204,6 +220,25 @@ async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
             ),
             Code::InvalidArgument,
             "images",
+        ),
+        (
+            // Refused by its size, before any tokenizing (the context-window check comes after).
+            "text past what the context window can hold",
+            request(user(vec![text("hi"), text(&"x".repeat(text_limit))]), 8),
+            Code::InvalidArgument,
+            "messages[0].content[1]: the messages' text reaches",
+        ),
+        (
+            "an image past the byte limit, before decoding",
+            request(user(vec![image(vec![0u8; 100_001], "image/png"), text("hi")]), 8),
+            Code::InvalidArgument,
+            "max-image-bytes",
+        ),
+        (
+            "a request past the transport's limit",
+            request(user(vec![text(&"x".repeat(4_000_001))]), 8),
+            Code::OutOfRange,
+            "the limit is: 4000000 bytes",
         ),
         (
             "prompt over context",

@@ -32,6 +32,17 @@ pub struct Args {
     /// Most images one request may carry.
     #[arg(long, env = "GLANCE_MAX_IMAGES", default_value_t = 8)]
     pub max_images: usize,
+    /// Largest request message the transport accepts, in bytes.
+    #[arg(long, env = "GLANCE_MAX_REQUEST_BYTES", default_value_t = 64 << 20)]
+    pub max_request_bytes: usize,
+    /// Most bytes of text all of a request's messages may hold together (default: what the
+    /// context window can hold at the tokenizer's longest token, so nothing that could fit is
+    /// refused and nothing that cannot is tokenized).
+    #[arg(long, env = "GLANCE_MAX_TEXT_BYTES")]
+    pub max_text_bytes: Option<usize>,
+    /// Most encoded bytes of one image.
+    #[arg(long, env = "GLANCE_MAX_IMAGE_BYTES", default_value_t = 32 << 20)]
+    pub max_image_bytes: usize,
     /// Override the checkpoint's minimum pixels per image.
     #[arg(long, env = "GLANCE_MIN_PIXELS")]
     pub min_pixels: Option<usize>,

@@ -51,6 +51,8 @@ pub enum StartupError {
 pub struct Loaded {
     pub service: GenerationService,
     pub drafter: Option<Arc<RemoteDrafter>>,
+    /// The transport's cap on one request message.
+    pub max_request_bytes: usize,
 }
 
 pub fn resolve_device(args: &Args) -> Result<(Device, Kind), StartupError> {
@@ -91,7 +93,15 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         .min(model.text_config().max_position_embeddings);
     let drafter = connect_drafter(args, &model)?;
     let defaults = decoding_defaults(args, drafter.is_some());
-    let info = model_info(args, &model, &prompts, context_window, &defaults);
+    let request_limits = RequestLimits {
+        max_new_tokens: args.max_new_tokens_limit,
+        max_images: args.max_images,
+        max_stop_strings: 16,
+        max_stop_len: 256,
+        max_text_bytes: args.max_text_bytes.unwrap_or_else(|| prompts.max_text_bytes(context_window)),
+        max_image_bytes: args.max_image_bytes,
+    };
+    let info = model_info(args, &model, &prompts, context_window, &defaults, &request_limits);
     let prompts = Arc::new(prompts);
     let limits =
         EngineLimits { context_window, max_concurrent: args.max_concurrent, max_queue: args.max_queue };
@@ -107,14 +117,8 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
     };
     tracing::info!(rows_1_2_4_8_16_32_64 = ?[1, 2, 4, 8, 16, 32, 64].map(|r| costs.estimate(r).map(|s| (s * 1e4).round() / 10.0)), "verify cost (ms) by rows");
     let engine = engine::start(model, prompts, limits, drafting, costs);
-    let request_limits = RequestLimits {
-        max_new_tokens: args.max_new_tokens_limit,
-        max_images: args.max_images,
-        max_stop_strings: 16,
-        max_stop_len: 256,
-    };
     let service = GenerationService::new(engine, request_limits, defaults, info, drafter.clone());
-    Ok(Loaded { service, drafter })
+    Ok(Loaded { service, drafter, max_request_bytes: args.max_request_bytes })
 }
 
 /// With `--drafter`, connects and checks the handshake before serving: a drafter built for another
@@ -170,6 +174,7 @@ fn model_info(
     prompts: &PromptBuilder,
     context_window: usize,
     defaults: &DecodingDefaults,
+    limits: &RequestLimits,
 ) -> pb::ModelInfoResponse {
     // A text-only model takes no images: zero images and pixels say so.
     let (min_pixels, max_pixels) = prompts.image_config().map_or((0, 0), |c| (c.min_pixels, c.max_pixels));
@@ -198,6 +203,10 @@ fn model_info(
         drafter_connected: false,
         default_tree_budget: defaults.tree_budget as u32,
         default_branch_k: defaults.branch_k as u32,
+        max_request_bytes: args.max_request_bytes as u64,
+        max_text_bytes: limits.max_text_bytes as u64,
+        max_image_bytes: if prompts.takes_images() { limits.max_image_bytes as u64 } else { 0 },
+        max_decoded_pixels: if prompts.takes_images() { glance_input::DEFAULT_MAX_DECODED_PIXELS } else { 0 },
     }
 }
 
@@ -229,7 +238,7 @@ pub async fn serve(
         .build_v1()
         .map_err(|e| StartupError::Serve(e.to_string()))?;
     let generation = pb::generation_server::GenerationServer::new(loaded.service)
-        .max_decoding_message_size(64 * 1024 * 1024);
+        .max_decoding_message_size(loaded.max_request_bytes);
     let shutdown = async move {
         signal.await;
         tracing::info!("draining: refusing new requests, finishing running ones");

@@ -25,6 +25,10 @@ pub struct RequestLimits {
     pub max_images: usize,
     pub max_stop_strings: usize,
     pub max_stop_len: usize,
+    /// Text bytes of all messages together.
+    pub max_text_bytes: usize,
+    /// Encoded bytes of one image.
+    pub max_image_bytes: usize,
 }
 
 pub struct GenerationService {
@@ -312,19 +316,43 @@ fn validate(
         return Err(VerifierError::invalid("messages", "at least one message is required"));
     }
     let mut images = 0;
+    let mut text_bytes = 0;
     let mut messages = Vec::with_capacity(request.messages.len());
     for (m, message) in request.messages.into_iter().enumerate() {
         let mut content = Vec::with_capacity(message.content.len());
         for (p, part) in message.content.into_iter().enumerate() {
             let field = format!("messages[{m}].content[{p}]");
             match part.part {
-                Some(pb::content_part::Part::Text(text)) => content.push(ContentPart::Text(text)),
+                Some(pb::content_part::Part::Text(text)) => {
+                    text_bytes += text.len();
+                    if text_bytes > limits.max_text_bytes {
+                        return Err(VerifierError::invalid(
+                            field,
+                            format!(
+                                "the messages' text reaches {text_bytes} bytes here, over the limit of {} \
+                                 (what the context window can hold; --max-text-bytes)",
+                                limits.max_text_bytes
+                            ),
+                        ));
+                    }
+                    content.push(ContentPart::Text(text))
+                }
                 Some(pb::content_part::Part::Image(image)) => {
                     images += 1;
                     if images > limits.max_images {
                         return Err(VerifierError::invalid(
                             field,
                             format!("too many images: at most {} per request", limits.max_images),
+                        ));
+                    }
+                    if image.data.len() > limits.max_image_bytes {
+                        return Err(VerifierError::invalid(
+                            format!("{field}.image.data"),
+                            format!(
+                                "{} bytes, over the limit of {} per image (--max-image-bytes)",
+                                image.data.len(),
+                                limits.max_image_bytes
+                            ),
                         ));
                     }
                     content.push(ContentPart::Image { data: image.data, mime_type: image.mime_type });

@@ -152,20 +152,25 @@ impl SpecStats {
     }
 }
 
-/// The committed-position history the drafter reads: token and tap states of every position.
+/// The committed-position history the drafter reads: token and tap states of every position. The
+/// states live on the host, whatever the target's device: they are staged down with the pass that
+/// computed them ([`TapRows`]) and go to the drafter from here, so sending a round costs no host
+/// sync of its own.
 struct History {
     tokens: Vec<i64>,
+    /// (capacity, taps·hidden) in the model's dtype, on the host; rows past `len` are unwritten.
     states: Option<Tensor>,
     len: usize,
 }
 
 impl History {
-    fn new(capacity: usize, width: i64, model: &TargetModel) -> Self {
-        let states =
-            (width > 0).then(|| Tensor::zeros([capacity as i64, width], (model.kind(), model.device())));
+    fn new(capacity: usize, width: i64, kind: Kind) -> Self {
+        // Uninitialized: the pages of a long context limit are touched only as rows are written.
+        let states = (width > 0).then(|| Tensor::empty([capacity as i64, width], (kind, tch::Device::Cpu)));
         Self { tokens: Vec::with_capacity(capacity), states, len: 0 }
     }
 
+    /// Appends the prompt's positions; `states` are on the host (staged, and read back since).
     fn push(&mut self, tokens: &[i64], states: Option<&Tensor>) {
         if let (Some(mut block), Some(rows)) = (self.next_rows(tokens.len()), states) {
             block.copy_(rows);
@@ -173,8 +178,8 @@ impl History {
         self.extend(tokens);
     }
 
-    /// Appends the positions a round committed, their tap states gathered straight from the
-    /// pass's outputs into the store.
+    /// Appends the positions a round committed, their tap states gathered from the pass's staged
+    /// outputs into the store.
     fn push_rows(&mut self, tokens: &[i64], rows: &TapRows) {
         debug_assert_eq!(tokens.len(), rows.len());
         if let Some(block) = self.next_rows(tokens.len()) {
@@ -268,16 +273,18 @@ pub fn speculative_generate(
     let width = taps.len() as i64 * model.text_config().hidden_size;
     // A round may accept a whole path past the limit (the committer stops at the limit): room for
     // the deepest one.
-    let mut history = History::new(limit + max_depth + 1, width, model);
+    let mut history = History::new(limit + max_depth + 1, width, model.kind());
     // Opened before the prefill: a remote drafter's stream opens while the target prefills.
     let mut drafting =
         Drafting { session: provider.open(), in_flight: None, retry: Retry::default(), decided: None };
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
-    history.push(&inputs.input_ids, prompt_states.as_ref());
+    // The prompt's tap states come down with the root's read-back: one host sync.
+    let prompt_states = prompt_states.as_ref().map(glance_models::stage_to_host);
     // The root and, for the policy, the target's entropy there (what it predicts a round from).
     let read = read_back(&logits, policy.is_some()); // the last row's (1, vocab) logits
+    history.push(&inputs.input_ids, prompt_states.as_ref());
     let mut root = read[0] as i64;
     let mut root_entropy = read.get(1).map(|&e| f64::from(e));
     let prefill_time = started.elapsed();
@@ -720,7 +727,7 @@ pub struct Verified {
     pub committed: Vec<i64>,
     /// Node indices of the accepted path.
     pub path: Vec<usize>,
-    /// Tap states of [root, accepted…], still in the pass's outputs.
+    /// Tap states of [root, accepted…], in the pass's outputs staged on the host.
     pub tap_rows: TapRows,
     /// Entropy (nats) of the target at the root, when asked for.
     pub root_entropy: Option<f32>,
@@ -739,7 +746,8 @@ pub struct Entropies {
 
 /// One target pass over root + tree, the acceptance walk and the KV compaction (`bench_round`
 /// times it as the verify cost). One host upload (ids, positions and the pack's visibility) that
-/// does not block, and one read-back (every row's argmax, and its entropy when asked).
+/// does not block, and one host sync: every row's tap states are staged to the host, then every
+/// row's argmax (and entropy when asked) is read back, which waits for both.
 #[allow(clippy::too_many_arguments)]
 pub fn verify_round(
     model: &TargetModel,
@@ -779,6 +787,7 @@ pub fn verify_round(
     };
     let out = model.forward(&step, cache)?;
     let logits = out.logits.expect("logits were requested");
+    let staged = stage_taps(&out.taps);
     let read = read_back(&logits, entropies.root || entropies.next);
     let choices: Vec<TokenId> = read[..n].iter().map(|&c| c as TokenId).collect();
     let (path, bonus) = tree.accepted_path(&choices);
@@ -788,11 +797,17 @@ pub fn verify_round(
     let next_entropy = entropies.next.then(|| entropy(bonus_row)).flatten();
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
     cache.keep_rows(start, &keep)?;
-    let tap_rows = TapRows { taps: out.taps, keep };
+    let tap_rows = TapRows { taps: staged, keep };
     let mut committed = vec![root];
     committed.extend(path.iter().map(|&i| i64::from(tree.tokens[i])));
     committed.push(i64::from(bonus));
     Ok(Verified { committed, path, tap_rows, root_entropy, next_entropy })
+}
+
+/// Every tap output of a pass on its way to the host, ahead of the pass's read-back (whose sync
+/// they ride on).
+fn stage_taps(taps: &[Tensor]) -> Vec<Tensor> {
+    taps.iter().map(glance_models::stage_to_host).collect()
 }
 
 /// Every row's argmax and, with `entropy`, then every row's entropy (nats, f32): one host copy.
@@ -824,16 +839,18 @@ fn greedy_step(
 ) -> Result<Step, ModelError> {
     let out = glance_models::decode::forward_token(model, cache, root, rope_delta, taps)?;
     let logits = out.logits.as_ref().expect("logits were requested");
+    let staged = stage_taps(&out.taps);
     let read = read_back(logits, with_entropy);
     let entropy = read.get(1).copied();
-    Ok((vec![root, read[0] as i64], TapRows { taps: out.taps, keep: vec![0] }, entropy))
+    Ok((vec![root, read[0] as i64], TapRows { taps: staged, keep: vec![0] }, entropy))
 }
 
-/// The tap outputs of one target pass and which of its rows were committed. They are gathered
-/// straight into the history's store ([`TapRows::write_into`]: one call per tap), never
-/// concatenated into a tensor of their own first.
+/// The tap outputs of one target pass, staged on the host, and which of its rows were committed.
+/// They are gathered straight into the history's store ([`TapRows::write_into`]: one call per
+/// tap), never concatenated into a tensor of their own first.
 pub struct TapRows {
-    /// One (rows, hidden) output per tapped layer, in the drafter's tap order.
+    /// One (rows, hidden) host tensor per tapped layer, in the drafter's tap order. Staged: readable
+    /// once the pass's read-back has returned (every `TapRows` is built after it).
     taps: Vec<Tensor>,
     /// Rows of the pass kept, strictly increasing: [0] for a greedy step, [root, accepted…] for a
     /// verify pass.
@@ -850,16 +867,15 @@ impl TapRows {
         self.keep.is_empty()
     }
 
-    /// Writes the kept rows into `store` (keep, taps·hidden), tap by tap into its column block:
-    /// a copy of a view when the kept rows are a prefix of the pass (a greedy step, or a chain
-    /// accepted from the first children), else one `index_select` into the block per tap.
+    /// Writes the kept rows into `store` (keep, taps·hidden, on the host), tap by tap into its
+    /// column block: a copy of a view when the kept rows are a prefix of the pass (a greedy step,
+    /// or a chain accepted from the first children), else one `index_select` into the block per
+    /// tap. Host to host: nothing crosses to the device.
     pub fn write_into(&self, store: &Tensor) {
         let rows = self.keep.len() as i64;
         let is_prefix = self.keep.iter().enumerate().all(|(i, &k)| i == k);
-        let index = (!is_prefix).then(|| {
-            let host: Vec<i64> = self.keep.iter().map(|&k| k as i64).collect();
-            glance_models::upload(&host, store.device())
-        });
+        let index = (!is_prefix)
+            .then(|| Tensor::from_slice(&self.keep.iter().map(|&k| k as i64).collect::<Vec<_>>()));
         let mut column = 0;
         for tap in &self.taps {
             let width = tap.size()[1];

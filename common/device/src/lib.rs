@@ -1,9 +1,10 @@
 //! glance-device: where tensors cross between the host and the device. The per-round code of both
 //! services moves data only through these functions: host data goes up with [`upload`] /
-//! [`upload_tensor`] (pinned memory, non-blocking on a GPU: no host sync), and results come back
-//! with [`read_back`] (a host sync on a GPU: it waits for every kernel queued before). Each call is
-//! counted per thread ([`crossings`]), so a test on the CPU can assert how many syncs a round takes
-//! on a GPU (on the CPU itself the calls cost nothing and move nothing).
+//! [`upload_tensor`] (pinned memory, non-blocking on a GPU: no host sync), device data comes down
+//! without a sync with [`stage_to_host`] (pinned memory, readable after the next read-back), and
+//! results come back with [`read_back`] (a host sync on a GPU: it waits for every kernel and copy
+//! queued before). Each call is counted per thread ([`crossings`]), so a test on the CPU can assert
+//! how many syncs a round takes on a GPU (on the CPU itself the calls cost nothing and move nothing).
 
 use std::cell::Cell;
 
@@ -12,6 +13,7 @@ use tch::{Device, Tensor};
 thread_local! {
     static UPLOADS: Cell<u64> = const { Cell::new(0) };
     static READ_BACKS: Cell<u64> = const { Cell::new(0) };
+    static STAGED: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Crossings made by this thread since it started.
@@ -19,15 +21,21 @@ thread_local! {
 pub struct Crossings {
     /// Host → device copies (not host syncs).
     pub uploads: u64,
-    /// Device → host copies (each a host sync on a GPU).
+    /// Device → host copies that wait (each a host sync on a GPU).
     pub read_backs: u64,
+    /// Device → host copies that do not wait (see [`stage_to_host`]; not host syncs).
+    pub staged: u64,
 }
 
 impl std::ops::Add for Crossings {
     type Output = Crossings;
 
     fn add(self, more: Crossings) -> Crossings {
-        Crossings { uploads: self.uploads + more.uploads, read_backs: self.read_backs + more.read_backs }
+        Crossings {
+            uploads: self.uploads + more.uploads,
+            read_backs: self.read_backs + more.read_backs,
+            staged: self.staged + more.staged,
+        }
     }
 }
 
@@ -38,13 +46,18 @@ impl std::ops::Sub for Crossings {
         Crossings {
             uploads: self.uploads - earlier.uploads,
             read_backs: self.read_backs - earlier.read_backs,
+            staged: self.staged - earlier.staged,
         }
     }
 }
 
 /// This thread's crossings so far; the difference of two readings is what ran in between.
 pub fn crossings() -> Crossings {
-    Crossings { uploads: UPLOADS.with(Cell::get), read_backs: READ_BACKS.with(Cell::get) }
+    Crossings {
+        uploads: UPLOADS.with(Cell::get),
+        read_backs: READ_BACKS.with(Cell::get),
+        staged: STAGED.with(Cell::get),
+    }
 }
 
 fn count(counter: &'static std::thread::LocalKey<Cell<u64>>) {
@@ -75,6 +88,20 @@ pub fn read_back(tensor: &Tensor) -> Tensor {
     tensor.to_device(Device::Cpu)
 }
 
+/// A host copy of `tensor` that does not wait: on a GPU the copy is queued on the stream into
+/// pinned memory (libtorch pins the destination of a non-blocking device-to-host copy), so its
+/// contents may be read only after the next [`read_back`] on this thread, whose sync covers every
+/// copy queued before it. That lets one pass's results come down with a single host sync: stage
+/// the bulky outputs first, then read back the small one that decides what to keep of them. On the
+/// CPU it is a view.
+pub fn stage_to_host(tensor: &Tensor) -> Tensor {
+    count(&STAGED);
+    match tensor.device() {
+        Device::Cpu => tensor.shallow_clone(),
+        _ => tensor.to_device_(Device::Cpu, tensor.kind(), true, false),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,12 +112,18 @@ mod tests {
         let up = upload(&[1, 2, 3], Device::Cpu);
         let _ = read_back(&up);
         let _ = read_back(&up);
-        assert_eq!(crossings() - before, Crossings { uploads: 1, read_backs: 2 });
+        let staged = stage_to_host(&up);
+        assert!(staged.equal(&up));
+        assert_eq!(crossings() - before, Crossings { uploads: 1, read_backs: 2, staged: 1 });
         let other = std::thread::spawn(|| {
             let _ = upload(&[1], Device::Cpu);
             crossings()
         });
-        assert_eq!(other.join().unwrap(), Crossings { uploads: 1, read_backs: 0 });
-        assert_eq!(crossings() - before, Crossings { uploads: 1, read_backs: 2 }, "not this thread's");
+        assert_eq!(other.join().unwrap(), Crossings { uploads: 1, read_backs: 0, staged: 0 });
+        assert_eq!(
+            crossings() - before,
+            Crossings { uploads: 1, read_backs: 2, staged: 1 },
+            "not this thread's"
+        );
     }
 }

@@ -122,7 +122,13 @@ pub struct PromptBuilder {
     eos_token_ids: Vec<u32>,
     bos_token: Option<String>,
     options: PromptOptions,
+    /// UTF-8 length of the longest vocabulary entry (see [`PromptBuilder::max_text_bytes`]).
+    longest_token_bytes: usize,
 }
+
+/// How much a tokenizer's normalizer may shorten text before it is split: NFC composition shrinks
+/// at most 3x (a Hangul L+V+T jamo triple, 9 bytes, becomes one 3-byte syllable); 4 leaves room.
+const NORMALIZATION_SLACK: usize = 4;
 
 /// What a VLM's prompts need beyond the tokenizer.
 #[derive(Debug)]
@@ -147,7 +153,9 @@ impl PromptBuilder {
         };
         let tokenizer_config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         let eos_token_ids = eos_token_ids(dir, &config, tokenizer_config.as_ref(), &tokenizer)?;
+        let longest_token_bytes = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
         Ok(Self {
+            longest_token_bytes,
             tokenizer,
             template,
             vision,
@@ -188,6 +196,16 @@ impl PromptBuilder {
         )?;
         let image_token_count = images.iter().map(|i| i.n_tokens).sum();
         Ok(Prompt { text, input_ids, images, positions, rope_delta, image_token_count })
+    }
+
+    /// Most bytes of message text a prompt of `context_window` tokens can hold, so that longer
+    /// text is refused before any tokenizing. A token never stands for more text bytes than its
+    /// vocabulary entry's UTF-8 length (byte-level BPE writes each byte as a char of 1 or 2 UTF-8
+    /// bytes; SentencePiece writes a space as the 3-byte `▁` and a fallback byte as `<0xAB>`), so
+    /// text of B bytes makes at least B / longest tokens, allowing for the normalizer (see
+    /// `NORMALIZATION_SLACK`).
+    pub fn max_text_bytes(&self, context_window: usize) -> usize {
+        context_window.saturating_mul(self.longest_token_bytes).saturating_mul(NORMALIZATION_SLACK)
     }
 
     /// Whether the model takes images.

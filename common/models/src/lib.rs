@@ -21,7 +21,7 @@ use tch::{Device, Kind, Tensor};
 
 pub use config::{Family, TargetConfig};
 /// The host/device crossings, where the model code and its callers have always found them.
-pub use glance_device::{read_back, upload, upload_tensor};
+pub use glance_device::{read_back, stage_to_host, upload, upload_tensor};
 pub use text::{LogitRows, MropeLayout, RopeScaling, StepInput, StepOutput, TextConfig, VisionEmbeds};
 
 use crate::kv_cache::{CacheError, KvCache};

@@ -14,7 +14,15 @@ pub enum WireError {
     Dtype(String),
     #[error("tensor of shape {shape:?} and dtype {dtype} needs {expected} bytes, got {got}")]
     Size { shape: Vec<u64>, dtype: String, expected: usize, got: usize },
+    #[error("tensor shape {shape:?}: at most {MAX_RANK} dimensions of at most 2^62 each")]
+    Shape { shape: Vec<u64> },
 }
+
+/// Most dimensions a tensor on the wire may have (the protocol sends matrices).
+pub const MAX_RANK: usize = 8;
+/// Largest single dimension: any larger one cannot be a tensor size (libtorch's are `i64`, and a
+/// zero elsewhere in the shape would let the byte count check pass).
+const MAX_DIM: u64 = 1 << 62;
 
 /// Wire name of a floating kind.
 pub fn kind_name(kind: Kind) -> &'static str {
@@ -35,9 +43,15 @@ fn kind_of(name: &str) -> Option<(Kind, usize)> {
     }
 }
 
-/// Serializes `tensor` as `kind` (bf16/f16 on the wire halve the bytes of f32 states).
+/// Serializes `tensor` as `kind` (bf16/f16 on the wire halve the bytes of f32 states). The round
+/// path hands it host tensors (the verifier keeps its tap-state history on the host); a device
+/// tensor is read back first, which is a host sync and counted as one.
 pub fn encode(tensor: &Tensor, kind: Kind) -> pb::TensorData {
-    let cpu = glance_device::read_back(tensor).to_kind(kind).contiguous();
+    let host = match tensor.device() {
+        tch::Device::Cpu => tensor.shallow_clone(),
+        _ => glance_device::read_back(tensor),
+    };
+    let cpu = host.to_kind(kind).contiguous();
     let numel = cpu.numel();
     let element = kind_of(kind_name(kind)).map(|(_, size)| size).unwrap_or(4);
     let mut data = vec![0u8; numel * element];
@@ -53,6 +67,9 @@ pub fn encode(tensor: &Tensor, kind: Kind) -> pb::TensorData {
 /// receiver uploads it to its device).
 pub fn decode(data: &pb::TensorData) -> Result<Tensor, WireError> {
     let (kind, element) = kind_of(&data.dtype).ok_or_else(|| WireError::Dtype(data.dtype.clone()))?;
+    if data.shape.len() > MAX_RANK || data.shape.iter().any(|&d| d > MAX_DIM) {
+        return Err(WireError::Shape { shape: data.shape.clone() });
+    }
     let numel = data.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
     let expected = numel.and_then(|n| n.checked_mul(element));
     if expected != Some(data.data.len()) {
@@ -129,6 +146,20 @@ mod tests {
         assert!(decode(&bad).is_err());
         bad.dtype = "int8".into();
         assert!(decode(&bad).is_err());
+    }
+
+    #[test]
+    fn shapes_no_tensor_can_have_are_refused() {
+        let empty = |shape: Vec<u64>| pb::TensorData { dtype: "f32".into(), shape, data: Vec::new().into() };
+        // A zero dimension makes the byte count 0 whatever the others are.
+        for shape in
+            [vec![0, (1 << 63) + 5], vec![0, u64::MAX], vec![1; MAX_RANK + 1], vec![u64::MAX, u64::MAX]]
+        {
+            assert!(decode(&empty(shape.clone())).is_err(), "{shape:?}");
+        }
+        // Empty tensors of sane shapes are fine.
+        assert_eq!(decode(&empty(vec![0, 4])).unwrap().size(), [0, 4]);
+        assert_eq!(decode(&empty(vec![])).map(|t| t.numel()).ok(), None, "a scalar has 4 bytes");
     }
 
     #[test]

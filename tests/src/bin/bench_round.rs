@@ -203,8 +203,8 @@ fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -
     let mut cache = model.new_cache(args.context + max_rows + 1);
     let mut mask = TreeMask::new(max_rows, cache.capacity(), model.kind(), model.device());
     fill_context(&mut cache, args.context, &model);
-    // The verifier's history rows the tap states are gathered into.
-    let states = Tensor::zeros([max_rows as i64, taps.len() as i64 * dims.hidden], (kind, device));
+    // The verifier's history rows the tap states are gathered into (on the host, as it keeps them).
+    let states = Tensor::zeros([max_rows as i64, taps.len() as i64 * dims.hidden], (kind, tch::Device::Cpu));
     let step_ms = best_of(args.repeats, || step(&model, &mut cache, args.context));
     let verify_ms = args
         .rows
@@ -292,7 +292,7 @@ fn step(model: &TargetModel, cache: &mut KvCache, context: usize) {
 }
 
 /// One verify round as auto mode runs it (the next root's entropy read back, the committed rows'
-/// tap states gathered into the history's buffer).
+/// tap states staged to the host and gathered into the history's buffer).
 fn verify(
     model: &TargetModel,
     cache: &mut KvCache,
