@@ -292,3 +292,143 @@ fn handle(
     let tree = session.draft(&input).map_err(status_of)?;
     Ok(Some(codec::tree_response(tree, started.elapsed().as_secs_f64() * 1e3)))
 }
+
+#[cfg(test)]
+mod fuzz {
+    //! The request handler under arbitrary messages (property tests on stable Rust): every
+    //! message sequence a peer can send is answered or refused, never a panic, with the committed
+    //! toy head drafting. `GLANCE_FUZZ_CASES` sets the number of cases.
+
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::engines::BlockHeadEngine;
+
+    fn cases(default: u32) -> u32 {
+        std::env::var("GLANCE_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    }
+
+    fn engine() -> &'static BlockHeadEngine {
+        static ENGINE: OnceLock<BlockHeadEngine> = OnceLock::new();
+        ENGINE.get_or_init(|| {
+            let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+            BlockHeadEngine::load(
+                &models.join("toy-head"),
+                &models.join("toy-target"),
+                tch::Kind::Float,
+                Device::Cpu,
+                512,
+            )
+            .expect("the committed toy head")
+        })
+    }
+
+    /// One message, usually well formed for a session holding `len` positions, sometimes not.
+    #[derive(Clone, Debug)]
+    struct Plan {
+        rows: usize,
+        position_offset: Option<u64>,
+        token_noise: Option<u32>,
+        states: StatesPlan,
+        round: Option<(u32, Option<u64>, u32, u32)>,
+    }
+
+    #[derive(Clone, Debug)]
+    enum StatesPlan {
+        Right,
+        Missing,
+        Raw(String, Vec<u64>, usize),
+    }
+
+    fn plan() -> impl Strategy<Value = Plan> {
+        let states = prop_oneof![
+            6 => Just(StatesPlan::Right),
+            1 => Just(StatesPlan::Missing),
+            1 => ("[a-z0-9]{0,4}", prop::collection::vec(prop_oneof![0u64..40, any::<u64>()], 0..4), 0usize..2000)
+                .prop_map(|(d, s, n)| StatesPlan::Raw(d, s, n)),
+        ];
+        let round = (any::<u32>(), prop::option::weighted(0.1, any::<u64>()), 0u32..2000, 0u32..100);
+        (
+            0usize..24,
+            prop::option::weighted(0.1, any::<u64>()),
+            prop::option::weighted(0.1, any::<u32>()),
+            states,
+            prop::option::weighted(0.7, round),
+        )
+            .prop_map(|(rows, position_offset, token_noise, states, round)| Plan {
+                rows,
+                position_offset,
+                token_noise,
+                states,
+                round,
+            })
+    }
+
+    fn message(plan: &Plan, len: u64, width: u64, vocab: u32) -> pb::DraftRequest {
+        let tokens: Vec<u32> = (0..plan.rows as u32).map(|i| plan.token_noise.unwrap_or(i % vocab)).collect();
+        let states = match &plan.states {
+            StatesPlan::Right => Some(codec::encode(
+                &tch::Tensor::randn([plan.rows as i64, width as i64], (tch::Kind::Float, Device::Cpu)),
+                tch::Kind::Float,
+            )),
+            StatesPlan::Missing => None,
+            StatesPlan::Raw(dtype, shape, bytes) => Some(pb::TensorData {
+                dtype: dtype.clone(),
+                shape: shape.clone(),
+                data: vec![1u8; *bytes].into(),
+            }),
+        };
+        let first_position = plan.position_offset.unwrap_or(len);
+        let end = len + plan.rows as u64;
+        let round = plan.round.map(|(root, position, budget, k)| pb::RoundRequest {
+            root_token: root % (vocab + 8),
+            root_position: position.unwrap_or(end),
+            tree_budget: budget,
+            branch_k: k,
+        });
+        pb::DraftRequest { context: Some(pb::ContextRows { first_position, tokens, states }), round }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: cases(300), failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn any_message_sequence_is_answered_or_refused(plans in prop::collection::vec(plan(), 1..6)) {
+            let engine = engine();
+            let handshake = engine.handshake();
+            let width = (handshake.tap_layers.len() * handshake.hidden_size) as u64;
+            let vocab = handshake.vocab_size as u32;
+            let limits = SessionLimits { max_sessions: 1, max_context: 512, idle_timeout: Duration::from_secs(1) };
+            let checks = Checks { device: Device::Cpu, vocab: handshake.vocab_size, limits };
+            let mut session = engine.new_session();
+            let mut len = 0u64;
+            let _no_grad = tch::no_grad_guard();
+            for plan in &plans {
+                let request = message(plan, len, width, vocab);
+                let rows = request.context.as_ref().map_or(0, |c| c.tokens.len() as u64);
+                match handle(session.as_mut(), request, checks) {
+                    Ok(reply) => {
+                        len += rows;
+                        if let Some(reply) = reply {
+                            let tree = codec::response_tree(reply);
+                            let tree_limits = glance_spec::tree::TreeLimits {
+                                vocab: handshake.vocab_size,
+                                max_nodes: glance_spec::session::MAX_TREE_NODES,
+                                max_depth: handshake.block_size - 1,
+                            };
+                            prop_assert!(tree.validate(tree_limits).is_ok(), "the drafter's own tree is valid");
+                        }
+                    }
+                    // As the service does: an error ends the session.
+                    Err(status) => {
+                        prop_assert!(!status.message().is_empty());
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

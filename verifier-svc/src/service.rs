@@ -489,3 +489,103 @@ fn timings(summary: &Summary) -> pb::Timings {
         decode_tokens_per_second: rate,
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    //! The public request's validation under arbitrary requests (property tests on stable Rust):
+    //! every request is converted or refused with INVALID_ARGUMENT / FAILED_PRECONDITION naming
+    //! a field, never a panic, and what passes is within the limits. `GLANCE_FUZZ_CASES` sets the
+    //! number of cases.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn cases(default: u32) -> u32 {
+        std::env::var("GLANCE_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    }
+
+    const LIMITS: RequestLimits = RequestLimits {
+        max_new_tokens: 64,
+        max_images: 2,
+        max_stop_strings: 16,
+        max_stop_len: 256,
+        max_text_bytes: 300,
+        max_image_bytes: 100,
+    };
+
+    fn part() -> impl Strategy<Value = pb::ContentPart> {
+        let text = prop_oneof![any::<String>(), "[a-z ]{0,120}"].prop_map(pb::content_part::Part::Text);
+        let image = (prop::collection::vec(any::<u8>(), 0..160), any::<String>())
+            .prop_map(|(data, mime_type)| pb::content_part::Part::Image(pb::Image { data, mime_type }));
+        prop::option::weighted(0.95, prop_oneof![3 => text, 1 => image])
+            .prop_map(|part| pb::ContentPart { part })
+    }
+
+    fn request() -> impl Strategy<Value = pb::GenerateRequest> {
+        let message = (any::<String>(), prop::collection::vec(part(), 0..4))
+            .prop_map(|(role, content)| pb::ChatMessage { role, content });
+        let options = (
+            any::<i32>(),
+            prop_oneof![0u32..300, any::<u32>()],
+            prop_oneof![0u32..20, any::<u32>()],
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(mode, tree_budget, branch_k, ignore_eos, log_rounds)| pb::DecodingOptions {
+                mode: mode.rem_euclid(8),
+                tree_budget,
+                branch_k,
+                ignore_eos,
+                log_rounds,
+            });
+        (
+            prop::collection::vec(message, 0..4),
+            prop_oneof![0u32..100, any::<u32>()],
+            prop::collection::vec(prop_oneof!["[a-z]{0,8}", any::<String>()], 0..20),
+            prop::option::of(options),
+        )
+            .prop_map(|(messages, max_new_tokens, stop, decoding)| pb::GenerateRequest {
+                messages,
+                max_new_tokens,
+                stop,
+                decoding,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: cases(20_000), failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn any_request_is_converted_within_the_limits_or_refused(request in request(), drafter in any::<bool>()) {
+            let defaults = DecodingDefaults {
+                mode: pb::DecodingMode::Autoregressive,
+                tree_budget: 31,
+                branch_k: 8,
+                max_tree_budget: 256,
+                drafter_configured: drafter,
+            };
+            let options = request.decoding;
+            if let Err(e) = decoding(options.as_ref(), &defaults) {
+                prop_assert!(e.to_string().starts_with("decoding."), "names the field: {e}");
+            }
+            match validate(request, &LIMITS) {
+                Ok((messages, max_new_tokens, stop)) => {
+                    prop_assert!((1..=64).contains(&max_new_tokens));
+                    prop_assert!(stop.len() <= 16 && stop.iter().all(|s| !s.is_empty() && s.len() <= 256));
+                    let text: usize = messages.iter().flat_map(|m| &m.content).map(|p| match p {
+                        ContentPart::Text(t) => t.len(),
+                        ContentPart::Image { .. } => 0,
+                    }).sum();
+                    prop_assert!(text <= 300);
+                    let images = messages.iter().flat_map(|m| &m.content).filter(|p| matches!(p, ContentPart::Image { .. })).count();
+                    prop_assert!(images <= 2);
+                }
+                Err(e) => {
+                    let named = ["messages", "max_new_tokens", "stop"].iter().any(|f| e.to_string().starts_with(f));
+                    prop_assert!(named, "names the field: {e}");
+                }
+            }
+        }
+    }
+}

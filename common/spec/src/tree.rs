@@ -17,8 +17,12 @@ pub type TokenId = u32;
 pub enum TreeError {
     #[error("draft logits of shape {0:?}, expected [offsets, vocab]")]
     LogitsShape(Vec<i64>),
-    #[error("tree arrays disagree: {tokens} tokens, {parents} parents, {depths} depths")]
-    LengthMismatch { tokens: usize, parents: usize, depths: usize },
+    #[error("tree arrays disagree: {tokens} tokens, {parents} parents, {depths} depths, {log_probs} log-probabilities")]
+    LengthMismatch { tokens: usize, parents: usize, depths: usize, log_probs: usize },
+    #[error(
+        "node {index}: path log-probability {log_prob} is not a finite number at most its parent's (or 0)"
+    )]
+    BadLogProb { index: usize, log_prob: f64 },
     #[error("tree of {nodes} nodes exceeds the limit of {max}")]
     TooManyNodes { nodes: usize, max: usize },
     #[error("node {index}: token {token} outside the vocabulary of {vocab}")]
@@ -89,16 +93,31 @@ impl Tree {
     }
 
     /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
-    /// earlier node, every depth is its parent's + 1, tokens are in the vocabulary, and the tree
-    /// is within the node and depth limits.
+    /// earlier node, every depth is its parent's + 1, tokens are in the vocabulary, every
+    /// log-probability is one (the auto policy reads them), and the tree is within the node and
+    /// depth limits.
     pub fn validate(&self, limits: TreeLimits) -> Result<(), TreeError> {
         let (tokens, parents, depths) = (&self.tokens, &self.parents, &self.depths);
-        if tokens.len() != parents.len() || tokens.len() != depths.len() {
+        let n = tokens.len();
+        if parents.len() != n || depths.len() != n || self.log_probs.len() != n {
             return Err(TreeError::LengthMismatch {
-                tokens: tokens.len(),
+                tokens: n,
                 parents: parents.len(),
                 depths: depths.len(),
+                log_probs: self.log_probs.len(),
             });
+        }
+        // A path's probability never grows downwards; NaN fails the comparison, and infinities
+        // are refused (`descend` subtracts a node's value from its descendants').
+        let log_prob_ok = |index: usize| {
+            let bound = usize::try_from(parents[index])
+                .ok()
+                .filter(|&p| p < index)
+                .map_or(0.0, |p| self.log_probs[p]);
+            self.log_probs[index].is_finite() && self.log_probs[index] <= bound
+        };
+        if let Some(index) = (0..n).find(|&i| !log_prob_ok(i)) {
+            return Err(TreeError::BadLogProb { index, log_prob: self.log_probs[index] });
         }
         if tokens.len() > limits.max_nodes {
             return Err(TreeError::TooManyNodes { nodes: tokens.len(), max: limits.max_nodes });
@@ -428,6 +447,17 @@ mod tests {
         ];
         for (i, (tree, limits)) in cases.iter().enumerate() {
             assert!(tree.validate(*limits).is_err(), "case {i} accepted");
+        }
+        // Found writing fuzz_tree: a drafter that sent fewer log-probabilities than nodes made the
+        // verifier's `descend` and the auto policy index past them (a panic in the engine).
+        let mut short = ok.clone();
+        short.log_probs.pop();
+        assert!(matches!(short.validate(LIMITS), Err(TreeError::LengthMismatch { log_probs: 2, .. })));
+        for bad in [f64::NAN, 0.5, f64::INFINITY, f64::NEG_INFINITY, -0.5] {
+            let mut odd = ok.clone();
+            odd.log_probs = vec![-1.0, -2.0, -3.0];
+            odd.log_probs[1] = bad;
+            assert!(matches!(odd.validate(LIMITS), Err(TreeError::BadLogProb { index: 1, .. })), "{bad}");
         }
     }
 

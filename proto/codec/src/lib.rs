@@ -14,15 +14,23 @@ pub enum WireError {
     Dtype(String),
     #[error("tensor of shape {shape:?} and dtype {dtype} needs {expected} bytes, got {got}")]
     Size { shape: Vec<u64>, dtype: String, expected: usize, got: usize },
-    #[error("tensor shape {shape:?}: at most {MAX_RANK} dimensions of at most 2^62 each")]
+    #[error("tensor shape {shape:?}: at most {MAX_RANK} dimensions whose product (zeros aside) fits in i64")]
     Shape { shape: Vec<u64> },
 }
 
 /// Most dimensions a tensor on the wire may have (the protocol sends matrices).
 pub const MAX_RANK: usize = 8;
-/// Largest single dimension: any larger one cannot be a tensor size (libtorch's are `i64`, and a
-/// zero elsewhere in the shape would let the byte count check pass).
-const MAX_DIM: u64 = 1 << 62;
+
+/// Whether libtorch can lay out a tensor of `shape`: its strides are products of dimensions and
+/// are `i64`, also when a zero dimension makes the tensor empty (so the byte-count check alone
+/// would let `[0, 2^62, 2^62]` through).
+fn shape_fits(shape: &[u64]) -> bool {
+    shape.len() <= MAX_RANK
+        && shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d.max(1)))
+            .is_some_and(|p| p <= i64::MAX as u64)
+}
 
 /// Wire name of a floating kind.
 pub fn kind_name(kind: Kind) -> &'static str {
@@ -67,7 +75,7 @@ pub fn encode(tensor: &Tensor, kind: Kind) -> pb::TensorData {
 /// receiver uploads it to its device).
 pub fn decode(data: &pb::TensorData) -> Result<Tensor, WireError> {
     let (kind, element) = kind_of(&data.dtype).ok_or_else(|| WireError::Dtype(data.dtype.clone()))?;
-    if data.shape.len() > MAX_RANK || data.shape.iter().any(|&d| d > MAX_DIM) {
+    if !shape_fits(&data.shape) {
         return Err(WireError::Shape { shape: data.shape.clone() });
     }
     let numel = data.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
@@ -81,7 +89,8 @@ pub fn decode(data: &pb::TensorData) -> Result<Tensor, WireError> {
         });
     }
     let shape: Vec<i64> = data.shape.iter().map(|&d| d as i64).collect();
-    Ok(Tensor::from_data_size(&data.data, &shape, kind))
+    Tensor::f_from_data_size(&data.data, &shape, kind)
+        .map_err(|_| WireError::Shape { shape: data.shape.clone() })
 }
 
 /// A drafted tree as the drafter answers a round (`draft_ms`: its time on the round).
