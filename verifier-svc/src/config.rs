@@ -49,6 +49,14 @@ pub struct Args {
     /// Override the checkpoint's maximum pixels per image.
     #[arg(long, env = "GLANCE_MAX_PIXELS")]
     pub max_pixels: Option<usize>,
+    /// What image transparency becomes: `composite` onto `--image-background` (what transformers'
+    /// image processors and vLLM do) or `drop` (transformers' `load_image`: the colour channels
+    /// as they are, so transparent pixels show whatever colour they carry, usually black).
+    #[arg(long, env = "GLANCE_IMAGE_ALPHA", value_enum, default_value = "composite")]
+    pub image_alpha: ImageAlpha,
+    /// Background colour transparent images are composited onto, `R,G,B`.
+    #[arg(long, env = "GLANCE_IMAGE_BACKGROUND", value_parser = parse_rgb, default_value = "255,255,255")]
+    pub image_background: [u8; 3],
     /// Cap on prompt + generated tokens (default: the model's max_position_embeddings).
     #[arg(long, env = "GLANCE_CONTEXT_WINDOW")]
     pub context_window: Option<usize>,
@@ -88,4 +96,31 @@ pub struct Args {
     /// Block size of the in-process prompt-lookup drafter (it drafts up to this minus one).
     #[arg(long, env = "GLANCE_PROMPT_LOOKUP_BLOCK", default_value_t = 16)]
     pub prompt_lookup_block: usize,
+}
+
+/// `--image-alpha`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageAlpha {
+    Composite,
+    Drop,
+}
+
+impl Args {
+    /// The input pipeline's handling of transparency.
+    pub fn alpha(&self) -> glance_input::Alpha {
+        match self.image_alpha {
+            ImageAlpha::Composite => glance_input::Alpha::Composite(self.image_background),
+            ImageAlpha::Drop => glance_input::Alpha::Drop,
+        }
+    }
+}
+
+fn parse_rgb(text: &str) -> Result<[u8; 3], String> {
+    let channels: Vec<u8> = text
+        .split(',')
+        .map(|c| c.trim().parse::<u8>().map_err(|e| format!("{c:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    channels
+        .try_into()
+        .map_err(|c: Vec<u8>| format!("expected R,G,B (three values 0-255), got {} values", c.len()))
 }

@@ -82,6 +82,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         min_pixels: args.min_pixels,
         max_pixels: args.max_pixels,
         max_images: args.max_images,
+        alpha: args.alpha(),
         ..PromptOptions::default()
     };
     let prompts =

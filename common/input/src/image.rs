@@ -1,6 +1,7 @@
 //! Image side of the Qwen-VL processor: decoding client bytes, `smart_resize`, Pillow-exact bicubic
 //! resize, rescale/normalize and the patch layout the vision tower expects. Mirrors transformers'
-//! `Qwen2VLImageProcessorPil` (the backend HF uses without torchvision) plus `load_image`.
+//! `Qwen2VLImageProcessorPil` (the backend HF uses without torchvision) plus `load_image`, with
+//! transparency composited as the processor's `convert_to_rgb` does (or dropped, as `load_image`).
 
 use std::borrow::Cow;
 use std::io::Cursor;
@@ -49,6 +50,27 @@ pub struct ImageProcessorConfig {
     /// Parsed for completeness; images are always converted to RGB because the vision tower
     /// takes exactly three channels.
     pub do_convert_rgb: bool,
+    /// What becomes of transparency: a serving choice (`--image-alpha`), not the checkpoint's.
+    pub alpha: Alpha,
+}
+
+/// What an image's alpha channel becomes on the way to RGB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpha {
+    /// Composited onto this opaque colour, pixel for pixel as Pillow's `alpha_composite` does:
+    /// transformers' image processors (`convert_to_rgb`, white) and vLLM's image loader
+    /// (`rgba_background_color`, white by default) both end up here.
+    Composite([u8; 3]),
+    /// Dropped, keeping the colour channels as they are: transformers' `load_image`
+    /// (`convert("RGB")`). Transparent pixels usually carry black, so text on a transparent
+    /// background becomes black on black.
+    Drop,
+}
+
+impl Default for Alpha {
+    fn default() -> Self {
+        Alpha::Composite([255, 255, 255])
+    }
 }
 
 impl Default for ImageProcessorConfig {
@@ -66,6 +88,7 @@ impl Default for ImageProcessorConfig {
             do_rescale: true,
             do_normalize: true,
             do_convert_rgb: true,
+            alpha: Alpha::default(),
         }
     }
 }
@@ -155,6 +178,7 @@ impl ImageProcessorConfig {
             do_rescale: raw.do_rescale.unwrap_or(true),
             do_normalize: raw.do_normalize.unwrap_or(true),
             do_convert_rgb: raw.do_convert_rgb.unwrap_or(true),
+            alpha: defaults.alpha,
         };
         config.validate()?;
         Ok(config)
@@ -281,12 +305,24 @@ fn decode_oriented(
     let mut decoder = reader.into_decoder().map_err(|e| corrupt(data, format, &e))?;
     // A malformed EXIF block is not worth failing the request over; PIL ignores it too.
     let orientation = decoder.orientation().unwrap_or(image::metadata::Orientation::NoTransforms);
+    let keyed_rgb = is_keyed_rgb(format, decoder.original_color_type());
     let mut img = match format {
         ImageFormat::Jpeg => decode_jpeg_like_pil(data, decoder)?,
         _ => DynamicImage::from_decoder(decoder).map_err(|e| corrupt(data, format, &e))?,
     };
+    if keyed_rgb && img.color().has_alpha() {
+        // Pillow opens an RGB PNG with a tRNS colour key as mode RGB, which transformers'
+        // `convert_to_rgb` passes through untouched; the `image` decoder expands the key to alpha.
+        img = DynamicImage::ImageRgb8(to_rgb8(&img));
+    }
     img.apply_orientation(orientation);
     Ok(img)
+}
+
+/// Whether a decoded image with alpha was an RGB PNG whose transparency is a colour key.
+fn is_keyed_rgb(format: ImageFormat, original: image::ExtendedColorType) -> bool {
+    format == ImageFormat::Png
+        && matches!(original, image::ExtendedColorType::Rgb8 | image::ExtendedColorType::Rgb16)
 }
 
 /// libjpeg-exact pixels; CMYK files, which libjpeg cannot convert, go to the `image` decoder.
@@ -374,9 +410,9 @@ fn corrupt(data: &[u8], declared: ImageFormat, err: &image::ImageError) -> Input
     }
 }
 
-/// Converts to 8-bit RGB like PIL's `convert("RGB")` after `Image.open`: alpha is dropped (not
-/// composited; HF's `load_image` converts before the processor could composite), and 16-bit
-/// samples keep their high byte, as PIL's 16-bit PNG unpackers do.
+/// Converts to 8-bit RGB like PIL's `convert("RGB")` after `Image.open`: alpha is dropped (HF's
+/// `load_image`; [`flatten_alpha`] composites instead, the serving default), and 16-bit samples
+/// keep their high byte, as PIL's 16-bit PNG unpackers do.
 ///
 /// Deliberate difference: PIL opens 16-bit grayscale as `I;16` and *clips* it to 0..255 when
 /// converting, which whitens nearly every pixel; here it keeps the high byte like the other
@@ -389,6 +425,38 @@ pub fn to_rgb8(img: &DynamicImage) -> RgbImage {
         | DynamicImage::ImageLumaA16(_) => high_byte_rgb(&img.to_rgb16()),
         _ => img.to_rgb8(),
     }
+}
+
+/// The image as RGB with its transparency handled by `alpha` (an image without alpha is
+/// [`to_rgb8`]). 16-bit images keep the high byte of each channel, alpha included, as Pillow reads
+/// 16-bit PNGs.
+pub fn flatten_alpha(img: &DynamicImage, alpha: Alpha) -> RgbImage {
+    let Alpha::Composite(background) = alpha else {
+        return to_rgb8(img);
+    };
+    if !img.color().has_alpha() {
+        return to_rgb8(img);
+    }
+    let rgba: Vec<u8> = match img {
+        DynamicImage::ImageRgba16(_) | DynamicImage::ImageLumaA16(_) => {
+            img.to_rgba16().as_raw().iter().map(|&v| (v >> 8) as u8).collect()
+        }
+        _ => img.to_rgba8().into_raw(),
+    };
+    let rgb = rgba
+        .chunks_exact(4)
+        .flat_map(|px| {
+            let a = u32::from(px[3]);
+            // Over an opaque background Pillow's fixed-point `alpha_composite` equals
+            // round((src·a + bg·(255 − a)) / 255), computed as its DIV255.
+            std::array::from_fn::<u8, 3, _>(|c| {
+                let mixed = u32::from(px[c]) * a + u32::from(background[c]) * (255 - a) + 128;
+                (((mixed >> 8) + mixed) >> 8) as u8
+            })
+        })
+        .collect();
+    RgbImage::from_raw(img.width(), img.height(), rgb)
+        .unwrap_or_else(|| RgbImage::new(img.width(), img.height()))
 }
 
 fn high_byte_rgb(img: &image::ImageBuffer<image::Rgb<u16>, Vec<u16>>) -> RgbImage {
@@ -431,7 +499,7 @@ pub fn smart_resize(
 
 /// The processor's whole image path: RGB conversion, resize, rescale, normalize, patchify.
 pub fn preprocess_image(img: &DynamicImage, cfg: &ImageProcessorConfig) -> Result<PreparedImage, InputError> {
-    let rgb = to_rgb8(img);
+    let rgb = flatten_alpha(img, cfg.alpha);
     let resized = resize_for_model(&rgb, cfg)?;
     patchify(&resized, cfg)
 }

@@ -16,8 +16,8 @@ mod rope_index;
 pub use self::chat::{ChatTemplate, TemplateContent, TemplateMessage, TemplatePart};
 pub use self::error::{InputError, LoadError};
 pub use self::image::{
-    decode_image, decode_image_with_limit, patchify, preprocess_image, resize_for_model, smart_resize,
-    to_rgb8, ImageProcessorConfig, PreparedImage, DEFAULT_MAX_DECODED_PIXELS,
+    decode_image, decode_image_with_limit, flatten_alpha, patchify, preprocess_image, resize_for_model,
+    smart_resize, to_rgb8, Alpha, ImageProcessorConfig, PreparedImage, DEFAULT_MAX_DECODED_PIXELS,
 };
 pub use self::prompt::{ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions, SpecialTokens};
 pub use self::resample::resize_bicubic;

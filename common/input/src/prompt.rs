@@ -14,7 +14,7 @@ use tokenizers::Tokenizer;
 use super::chat::{token_text, ChatTemplate, TemplateContent, TemplateMessage, TemplatePart};
 use super::error::{read_optional_json, InputError, LoadError};
 use super::image::{
-    decode_image_with_limit, preprocess_image, ImageProcessorConfig, PreparedImage,
+    decode_image_with_limit, preprocess_image, Alpha, ImageProcessorConfig, PreparedImage,
     DEFAULT_MAX_DECODED_PIXELS,
 };
 use super::rope_index::{mrope_position_ids, MropePositions};
@@ -51,6 +51,8 @@ pub struct PromptOptions {
     pub max_images: usize,
     /// Largest encoded image (width x height) accepted for decoding.
     pub max_decoded_pixels: u64,
+    /// What transparency becomes (composited onto white by default).
+    pub alpha: Alpha,
 }
 
 impl Default for PromptOptions {
@@ -60,6 +62,7 @@ impl Default for PromptOptions {
             max_pixels: None,
             max_images: 16,
             max_decoded_pixels: DEFAULT_MAX_DECODED_PIXELS,
+            alpha: Alpha::default(),
         }
     }
 }
@@ -393,9 +396,10 @@ impl VisionInputs {
         tokenizer: &Tokenizer,
         options: &PromptOptions,
     ) -> Result<Self, LoadError> {
-        let image_config = ImageProcessorConfig::from_model_dir(dir)?
+        let mut image_config = ImageProcessorConfig::from_model_dir(dir)?
             .with_pixel_bounds(options.min_pixels, options.max_pixels)
             .map_err(|reason| LoadError::InvalidOption { name: "min_pixels/max_pixels", reason })?;
+        image_config.alpha = options.alpha;
         let special = special_tokens(config, tokenizer, &image_config)
             .map_err(|reason| LoadError::InvalidConfig { path: dir.join("config.json"), reason })?;
         Ok(Self { image_config, special })

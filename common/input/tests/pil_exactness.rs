@@ -60,3 +60,59 @@ fn truncated_jpeg_is_refused_like_pil() {
         assert!(err.to_string().contains("truncated"), "{err}");
     }
 }
+
+/// Each transparent image of `generate.py`'s `alpha_images`, with what Pillow makes of it: composited
+/// onto white (transformers' `convert_to_rgb`), onto another colour (`alpha_composite`, as vLLM's
+/// `rgba_background_color`), and with alpha dropped (`load_image`).
+#[test]
+fn transparency_is_composited_or_dropped_like_pillow() {
+    use glance_input::{flatten_alpha, Alpha};
+    let sources =
+        ["alpha_rgba.png", "alpha_la.png", "alpha_p_trns.png", "alpha_rgb_trns.png", "alpha_rgba.webp"];
+    for name in sources {
+        let bytes = std::fs::read(data_dir().join(name)).expect("alpha test image");
+        let decoded = decode_image(&bytes, "").expect("decodes");
+        let stem = name.replace('.', "_");
+        for (alpha, suffix) in [
+            (Alpha::Composite([255, 255, 255]), "white"),
+            (Alpha::Composite([18, 140, 77]), "green"),
+            (Alpha::Drop, "drop"),
+        ] {
+            let expected = load_png(&format!("{stem}.{suffix}.png"));
+            let actual = flatten_alpha(&decoded, alpha);
+            assert!(actual == expected, "{name} {suffix}: differs from Pillow");
+        }
+    }
+    // 16 bits per channel: Pillow reads the high byte, alpha included.
+    let rgba = decode_image(&std::fs::read(data_dir().join("alpha_rgba.png")).unwrap(), "").unwrap();
+    let wide = image::DynamicImage::ImageRgba16(rgba.to_rgba16());
+    for alpha in [Alpha::Composite([255, 255, 255]), Alpha::Composite([18, 140, 77]), Alpha::Drop] {
+        assert!(flatten_alpha(&wide, alpha) == flatten_alpha(&rgba, alpha), "{alpha:?}: 16-bit differs");
+    }
+}
+
+/// The serving option reaches the model's pixels: a transparent image through the committed toy
+/// checkpoint's prompt builder gives the pixel values of Pillow's flattened image, by default
+/// composited onto white, with `Alpha::Drop` the colour channels as they are.
+#[test]
+fn the_prompt_builder_flattens_transparency_as_configured() {
+    use glance_input::{Alpha, ChatMessage, ContentPart, PromptBuilder, PromptOptions};
+    let toy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/toy-target");
+    let pixels = |alpha: Alpha, file: &str| {
+        let prompts =
+            PromptBuilder::from_model_dir(&toy, PromptOptions { alpha, ..PromptOptions::default() }).unwrap();
+        let data = std::fs::read(data_dir().join(file)).unwrap();
+        let message = ChatMessage {
+            role: "user".into(),
+            content: vec![
+                ContentPart::Image { data, mime_type: String::new() },
+                ContentPart::Text("Read it.".into()),
+            ],
+        };
+        prompts.build(&[message]).unwrap().images.remove(0).pixel_values
+    };
+    let white = pixels(Alpha::default(), "alpha_rgba_png.white.png");
+    assert_eq!(pixels(Alpha::default(), "alpha_rgba.png"), white);
+    assert_eq!(pixels(Alpha::Drop, "alpha_rgba.png"), pixels(Alpha::Drop, "alpha_rgba_png.drop.png"));
+    assert_ne!(pixels(Alpha::Drop, "alpha_rgba.png"), white, "the two modes differ on this image");
+}

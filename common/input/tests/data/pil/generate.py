@@ -36,5 +36,47 @@ def main() -> None:
     load_image(str(photo)).save(HERE / "photo.pil.png")
 
 
+ALPHA_BACKGROUND = (18, 140, 77)
+
+
+def alpha_images() -> None:
+    """Transparent images of each kind PNG and WebP carry, and what becomes of them: transformers'
+    `convert_to_rgb` (composited onto white), Pillow's `alpha_composite` onto another colour, and
+    `load_image`'s `convert("RGB")` (alpha dropped)."""
+    from transformers.image_transforms import convert_to_rgb
+
+    rng = np.random.RandomState(2)
+    rgb = source(29, 19, seed=3)
+    alpha = rng.randint(0, 256, (19, 29)).astype(np.uint8)
+    alpha[0], alpha[1] = 0, 255
+    rgba = Image.fromarray(np.dstack([rgb, alpha]), "RGBA")
+    images = {
+        "alpha_rgba.png": rgba,
+        "alpha_la.png": rgba.convert("LA"),
+        "alpha_rgba.webp": rgba,
+    }
+    palette = Image.fromarray(rgb).quantize(16)
+    palette.info["transparency"] = 3
+    images["alpha_p_trns.png"] = palette
+    keyed = Image.fromarray(rgb)
+    keyed.info["transparency"] = tuple(int(v) for v in rgb[5, 7])
+    images["alpha_rgb_trns.png"] = keyed
+    for name, image in images.items():
+        path = HERE / name
+        if name.endswith(".webp"):
+            image.save(path, lossless=True, exact=True)
+        elif "transparency" in image.info:
+            image.save(path, transparency=image.info["transparency"])
+        else:
+            image.save(path)
+        opened = Image.open(path)
+        stem = name.replace(".", "_")
+        convert_to_rgb(opened).save(HERE / f"{stem}.white.png")
+        background = Image.new("RGBA", opened.size, ALPHA_BACKGROUND + (255,))
+        Image.alpha_composite(background, opened.convert("RGBA")).convert("RGB").save(HERE / f"{stem}.green.png")
+        Image.open(path).convert("RGB").save(HERE / f"{stem}.drop.png")
+
+
 if __name__ == "__main__":
     main()
+    alpha_images()
