@@ -178,12 +178,15 @@ async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
         "100000",
         "--max-request-bytes",
         "4000000",
+        "--max-decoded-pixels",
+        "1000000",
     ];
     let server = ServiceProcess::verifier(&dir, &args);
     let mut client = connect(&server.url).await.max_encoding_message_size(64 << 20);
     let good_png = std::fs::read(dir.join("reference/images/square.png")).unwrap();
     let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
     assert_eq!((info.max_image_bytes, info.max_request_bytes), (100_000, 4_000_000));
+    assert_eq!(info.max_decoded_pixels, 1_000_000);
     // The text bound is what 256 tokens can hold, and no less than 256 bytes.
     let text_limit = info.max_text_bytes as usize;
     assert!((256..4_000_000).contains(&text_limit), "{text_limit}");
@@ -206,6 +209,12 @@ async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
             request(user(vec![image(png_claiming(100_000, 100_000), "image/png"), text("hi")]), 8),
             Code::InvalidArgument,
             "pixels",
+        ),
+        (
+            "just past --max-decoded-pixels",
+            request(user(vec![image(png_claiming(1001, 1000), "image/png"), text("hi")]), 8),
+            Code::InvalidArgument,
+            "1000000",
         ),
         (
             "too many images",

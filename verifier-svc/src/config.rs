@@ -40,6 +40,10 @@ pub struct Args {
     /// refused and nothing that cannot is tokenized).
     #[arg(long, env = "GLANCE_MAX_TEXT_BYTES")]
     pub max_text_bytes: Option<usize>,
+    /// Largest width x height of one image, read from its header before decoding (decompression
+    /// bombs are refused without decoding a pixel; the processor resizes to --max-pixels later).
+    #[arg(long, env = "GLANCE_MAX_DECODED_PIXELS", default_value_t = glance_input::DEFAULT_MAX_DECODED_PIXELS)]
+    pub max_decoded_pixels: u64,
     /// Most encoded bytes of one image.
     #[arg(long, env = "GLANCE_MAX_IMAGE_BYTES", default_value_t = 32 << 20)]
     pub max_image_bytes: usize,

@@ -83,7 +83,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         max_pixels: args.max_pixels,
         max_images: args.max_images,
         alpha: args.alpha(),
-        ..PromptOptions::default()
+        max_decoded_pixels: args.max_decoded_pixels,
     };
     let prompts =
         PromptBuilder::from_model_dir(&args.model, options).map_err(|e| model_err(e.to_string()))?;
@@ -207,7 +207,7 @@ fn model_info(
         max_request_bytes: args.max_request_bytes as u64,
         max_text_bytes: limits.max_text_bytes as u64,
         max_image_bytes: if prompts.takes_images() { limits.max_image_bytes as u64 } else { 0 },
-        max_decoded_pixels: if prompts.takes_images() { glance_input::DEFAULT_MAX_DECODED_PIXELS } else { 0 },
+        max_decoded_pixels: if prompts.takes_images() { args.max_decoded_pixels } else { 0 },
     }
 }
 
