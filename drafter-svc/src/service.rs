@@ -32,18 +32,19 @@ pub struct SessionLimits {
 
 pub struct DrafterService {
     engine: Arc<dyn DraftEngine>,
-    /// Device the tap states are moved to before drafting.
-    device: Device,
-    limits: SessionLimits,
+    /// What every session checks its messages against.
+    checks: Checks,
     /// One permit per session that may open.
     admission: Arc<Semaphore>,
 }
 
 impl DrafterService {
+    /// `device`: where the tap states are moved before drafting.
     pub fn new(engine: Arc<dyn DraftEngine>, device: Device, limits: SessionLimits) -> Self {
         metrics::gauge!(names::SESSIONS_LIMIT).set(limits.max_sessions as f64);
         let admission = Arc::new(Semaphore::new(limits.max_sessions));
-        Self { engine, device, limits, admission }
+        let checks = Checks { device, vocab: engine.handshake().vocab_size, limits };
+        Self { engine, checks, admission }
     }
 }
 
@@ -88,16 +89,15 @@ impl pb::drafter_server::Drafter for DrafterService {
             metrics::counter!(names::SESSIONS_REFUSED).increment(1);
             Status::resource_exhausted(format!(
                 "all {} draft sessions of this drafter are open (--max-sessions, GLANCE_DRAFTER_MAX_SESSIONS)",
-                self.limits.max_sessions
+                self.checks.limits.max_sessions
             ))
         })?;
         let inbound = request.into_inner();
         let (replies, stream) = mpsc::channel(4);
         let session = self.engine.new_session();
-        let checks =
-            Checks { device: self.device, vocab: self.engine.handshake().vocab_size, limits: self.limits };
+        let checks = self.checks;
         let runtime = tokio::runtime::Handle::current();
-        let requests = Requests { inbound, runtime, idle_timeout: self.limits.idle_timeout };
+        let requests = Requests { inbound, runtime, idle_timeout: checks.limits.idle_timeout };
         // The session (and its draft KV cache) lives on this thread until the stream ends. The
         // thread reads the stream itself: a request wakes it straight from the connection's task,
         // with no forwarding task and queue in between (one thread hand-off less per round).

@@ -107,28 +107,20 @@ impl Tree {
                 log_probs: self.log_probs.len(),
             });
         }
-        // A path's probability never grows downwards; NaN fails the comparison, and infinities
-        // are refused (`descend` subtracts a node's value from its descendants').
-        let log_prob_ok = |index: usize| {
-            let bound = usize::try_from(parents[index])
-                .ok()
-                .filter(|&p| p < index)
-                .map_or(0.0, |p| self.log_probs[p]);
-            self.log_probs[index].is_finite() && self.log_probs[index] <= bound
-        };
-        if let Some(index) = (0..n).find(|&i| !log_prob_ok(i)) {
-            return Err(TreeError::BadLogProb { index, log_prob: self.log_probs[index] });
-        }
         if tokens.len() > limits.max_nodes {
             return Err(TreeError::TooManyNodes { nodes: tokens.len(), max: limits.max_nodes });
         }
-        for (index, ((&token, &parent), &depth)) in tokens.iter().zip(parents).zip(depths).enumerate() {
+        let nodes = tokens.iter().zip(parents).zip(depths).zip(&self.log_probs).enumerate();
+        for (index, (((&token, &parent), &depth), &log_prob)) in nodes {
             if token as usize >= limits.vocab {
                 return Err(TreeError::TokenOutOfVocab { index, token, vocab: limits.vocab });
             }
-            let parent_depth = match parent {
-                -1 => 0,
-                p if p >= 0 && (p as usize) < index => u64::from(depths[p as usize]),
+            // The root has depth 0 and path log-probability 0.
+            let (parent_depth, parent_log_prob) = match parent {
+                -1 => (0, 0.0),
+                p if p >= 0 && (p as usize) < index => {
+                    (u64::from(depths[p as usize]), self.log_probs[p as usize])
+                }
                 _ => return Err(TreeError::BadParent { index, parent }),
             };
             if u64::from(depth) != parent_depth + 1 {
@@ -136,6 +128,11 @@ impl Tree {
             }
             if depth as usize > limits.max_depth {
                 return Err(TreeError::TooDeep { index, depth, max: limits.max_depth });
+            }
+            // A path's probability never grows downwards; NaN fails the comparison, and infinities
+            // are refused (`descend` subtracts a node's value from its descendants').
+            if !(log_prob.is_finite() && log_prob <= parent_log_prob) {
+                return Err(TreeError::BadLogProb { index, log_prob });
             }
         }
         Ok(())
