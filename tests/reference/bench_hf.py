@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             ap.error("--dtype applies to a text model (--prompt)")
         case = json.loads(args.case.read_text())
         model = hf_common.load_model(args.model, attn_implementation=args.attn)
-        processor = hf_common.load_processor(args.model)
+        processor = hf_common.load_processor(args.model, hf_common.backend_of(case))
         _, inputs = hf_common.prepare_inputs(processor, case["messages"], args.case.parent)
     n = args.max_new_tokens
 

@@ -1,8 +1,10 @@
 """Shared helpers for the Python *reference* side (make_reference.py, bench_hf.py).
 
 Python is only the reference here: it builds tiny HF checkpoints and dumps what the Rust
-implementation must reproduce. Everything runs offline (HF_HUB_OFFLINE=1) with the PIL image
-backend (no torchvision).
+implementation must reproduce. Everything runs offline (HF_HUB_OFFLINE=1). Both of transformers'
+image processors are references: the PIL one (Pillow resize, numpy normalize) and the torchvision
+one (antialiased uint8 resize, torch normalize), each pinned by class rather than left to
+AutoProcessor's choice by environment.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessor,
     Qwen2VLImageProcessorPil,
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
@@ -67,7 +70,11 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-IMAGE_PROCESSOR_CLASS = Qwen2VLImageProcessorPil  # pinned: PIL bicubic resize, numpy rescale/normalize
+# The image processor of each backend, pinned by class (`--image-backend` on the Rust side).
+IMAGE_PROCESSOR_CLASSES = {
+    "pil": Qwen2VLImageProcessorPil,  # PIL bicubic resize, numpy rescale/normalize
+    "torchvision": Qwen2VLImageProcessor,  # torch's antialiased uint8 bicubic, fused f32 normalize
+}
 ATTN_IMPLEMENTATION = "eager"
 
 FAMILIES = {
@@ -87,15 +94,15 @@ def model_type_of(model_dir: str | Path) -> str:
         return json.load(f)["model_type"]
 
 
-def load_processor(model_dir: str | Path):
-    """Build the processor from a saved tiny model dir, pinning the PIL image processor class.
+def load_processor(model_dir: str | Path, backend: str = "pil"):
+    """Build the processor from a saved tiny model dir, pinning the image processor class of `backend`.
 
-    AutoProcessor would need torchvision for the video processor, so the pieces are loaded one by one.
+    The pieces are loaded one by one so the image processor is the pinned class, whatever is installed.
     """
     model_dir = Path(model_dir)
     fam = FAMILIES[model_type_of(model_dir)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    image_processor = IMAGE_PROCESSOR_CLASS.from_pretrained(model_dir)
+    image_processor = IMAGE_PROCESSOR_CLASSES[backend].from_pretrained(model_dir)
     pc_path = model_dir / "processor_config.json"
     video_kwargs = {}
     if pc_path.exists():
@@ -110,6 +117,11 @@ def load_processor(model_dir: str | Path):
         video_processor=video_processor,
         chat_template=chat_template,
     )
+
+
+def backend_of(case: dict) -> str:
+    """The image backend a reference case was made with, from its `image_processor_class`."""
+    return "pil" if case.get("image_processor_class", "").endswith("Pil") else "torchvision"
 
 
 def load_model(model_dir: str | Path, attn_implementation: str = ATTN_IMPLEMENTATION):

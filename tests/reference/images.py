@@ -110,3 +110,17 @@ def draw_scene(width: int, height: int, variant: int = 0) -> Image.Image:
     scale = max(1, min(w // (4 * len(text) + 2), h // 14))
     draw_text(d, 2, h // 2 - 3 * scale, text, scale, fill=(255, 255, 255) if variant % 2 else (10, 10, 10))
     return img
+
+
+def with_transparency(img: Image.Image) -> Image.Image:
+    """An RGBA copy of `img` as design tools export one: a fully transparent margin whose colour
+    channels are black, and semi-transparent blocks over the picture. Transformers' processors
+    composite it onto white; dropping the alpha would show the black."""
+    rgb = np.asarray(img.convert("RGB")).copy()
+    h, w = rgb.shape[:2]
+    y, x = np.mgrid[0:h, 0:w]
+    alpha = np.full((h, w), 255, np.uint8)
+    alpha[(x // 8 + y // 8) % 3 == 0] = 96
+    alpha[(x < w // 6) | (y < h // 6)] = 0
+    rgb[alpha == 0] = 0
+    return Image.fromarray(np.dstack([rgb, alpha]), "RGBA")

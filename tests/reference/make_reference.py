@@ -52,7 +52,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # no
 from transformers.vision_utils import get_vision_window_index  # noqa: E402
 
 from corpus import sentences  # noqa: E402
-from images import draw_scene  # noqa: E402
+from images import draw_scene, with_transparency  # noqa: E402
 
 TOKENIZER_VOCAB_TARGET = 1000
 MAX_NEW_TOKENS = 32
@@ -78,7 +78,13 @@ FAMILY_SPECS = {
         # Qwen3-VL hub preprocessor uses mean/std 0.5 (not the CLIP constants)
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
-        "images": {"square.png": (64, 64), "wide.png": (128, 64), "odd.jpg": (150, 97), "big.png": (400, 300)},
+        "images": {
+            "square.png": (64, 64),
+            "wide.png": (128, 64),
+            "odd.jpg": (150, 97),
+            "big.png": (400, 300),
+            "alpha.png": (123, 77),
+        },
     },
     "qwen2_5_vl": {
         "dir": "tiny-qwen2.5-vl",
@@ -90,7 +96,13 @@ FAMILY_SPECS = {
         "max_pixels": 28 * 28 * 64,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],  # OPENAI_CLIP_MEAN (hub value)
         "image_std": [0.26862954, 0.26130258, 0.27577711],  # OPENAI_CLIP_STD
-        "images": {"square.png": (56, 56), "wide.png": (112, 56), "odd.jpg": (150, 97), "big.png": (400, 300)},
+        "images": {
+            "square.png": (56, 56),
+            "wide.png": (112, 56),
+            "odd.jpg": (150, 97),
+            "big.png": (400, 300),
+            "alpha.png": (123, 77),
+        },
     },
 }
 
@@ -141,7 +153,20 @@ CASES = {
         {"role": "assistant", "content": [{"type": "text", "text": "The square is red."}]},
         {"role": "user", "content": [{"type": "text", "text": "And the circle?"}]},
     ],
+    # RGBA with a black transparent margin, resized on both axes (one shrinks, one grows).
+    "alpha": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": "images/alpha.png"},
+                {"type": "text", "text": "Read the text on the transparent sign."},
+            ],
+        },
+    ],
 }
+# Cases run a second time through the torchvision image processor, as `tv_<case>`: every resize
+# kind (strong downscale, odd JPEG, mixed up/down with transparency).
+TORCHVISION_CASES = ["two_images", "resized", "alpha"]
 
 
 def log(*a):
@@ -389,7 +414,7 @@ def reinit_with_teeth(model: nn.Module, seed: int) -> dict:
 
 def build_processor(family: str, tokenizer, template: str):
     spec = FAMILY_SPECS[family]
-    image_processor = hf_common.IMAGE_PROCESSOR_CLASS(
+    image_processor = hf_common.IMAGE_PROCESSOR_CLASSES["pil"](
         min_pixels=spec["min_pixels"],
         max_pixels=spec["max_pixels"],
         patch_size=spec["patch"],
@@ -571,27 +596,45 @@ def write_legacy_dir(family: str, src: Path, dst: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def is_torchvision(processor) -> bool:
+    return type(processor.image_processor) is hf_common.IMAGE_PROCESSOR_CLASSES["torchvision"]
+
+
 def resized_images(processor, images) -> list[np.ndarray]:
     """The images after the processor's resize step, HWC float32 0..255, obtained by calling the
-    image processor's own functions in the order Qwen2VLImageProcessorPil._preprocess uses them."""
+    image processor's own functions in the order its `_preprocess` uses them (the torchvision one
+    on a batch of one CHW uint8 tensor)."""
     ip = processor.image_processor
     size = SizeDict(**ip.size) if isinstance(ip.size, dict) else ip.size
+    factor = ip.patch_size * ip.merge_size
     out = []
     for img in images:
         arr = ip.process_image(img, do_convert_rgb=ip.do_convert_rgb)  # CHW uint8
-        arr = ip.resize(arr, size=size, resample=ip.resample, factor=ip.patch_size * ip.merge_size)
+        if is_torchvision(processor):
+            arr = ip.resize(arr[None], size=size, resample=ip.resample, factor=factor)[0].numpy()
+        else:
+            arr = ip.resize(arr, size=size, resample=ip.resample, factor=factor)
         out.append(np.ascontiguousarray(np.moveaxis(np.asarray(arr), 0, -1).astype(np.float32)))
     return out
 
 
 def check_pixel_values(processor, resized: list[np.ndarray], pixel_values: torch.Tensor) -> None:
     ip = processor.image_processor
+    patch_kwargs = dict(patch_size=ip.patch_size, merge_size=ip.merge_size, temporal_patch_size=ip.temporal_patch_size)
     chunks = []
     for hwc in resized:
         chw = np.moveaxis(hwc, -1, 0)
+        if is_torchvision(processor):
+            batch = torch.from_numpy(np.ascontiguousarray(chw)).to(torch.uint8)[None]
+            x = ip.rescale_and_normalize(
+                batch, ip.do_rescale, ip.rescale_factor, ip.do_normalize, tuple(ip.image_mean), tuple(ip.image_std)
+            )
+            p, _, _ = ip.patchify(x, **patch_kwargs)
+            chunks.append(p[0].numpy())
+            continue
         x = ip.rescale(chw, ip.rescale_factor)
         x = ip.normalize(x, ip.image_mean, ip.image_std)
-        p, _, _ = ip.patchify(x, patch_size=ip.patch_size, merge_size=ip.merge_size, temporal_patch_size=ip.temporal_patch_size)
+        p, _, _ = ip.patchify(x, **patch_kwargs)
         chunks.append(p)
     mine = torch.from_numpy(np.concatenate(chunks, 0))
     assert mine.shape == pixel_values.shape and torch.equal(mine.float(), pixel_values.float()), "resized_k mismatch"
@@ -684,10 +727,14 @@ def run_case(family, name, messages, model, processor, ref_dir: Path, checks: li
                 part["path"] = str(ref_dir / part["path"])
     direct = processor.apply_chat_template(abs_msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
     assert torch.equal(direct["input_ids"], inputs["input_ids"]), "apply_chat_template(tokenize=True) differs"
-    if "pixel_values" in inputs:
-        assert torch.equal(direct["pixel_values"], inputs["pixel_values"])
-
     images = hf_common.load_images(ref_dir, messages)
+    # (load_image, which the one-call path uses, drops alpha instead of compositing it)
+    if "pixel_values" in inputs and not any(img.has_transparency_data for img in images):
+        assert torch.equal(direct["pixel_values"], inputs["pixel_values"])
+    elif "pixel_values" in inputs:
+        dropped = not torch.equal(direct["pixel_values"], inputs["pixel_values"])
+        checks.append((f"{family}/{name}: alpha composited, not dropped as load_image does", dropped, ""))
+
     n = inputs["input_ids"].shape[1]
     pos, delta = get_rope_index(model, inputs)
     model.model.rope_deltas = None
@@ -870,7 +917,7 @@ def build_family(family: str, tokenizer, out_root: Path, seed: int, checks: list
     # Everything below uses what was written to disk, as the Rust side will.
     model = hf_common.load_model(out_dir)
     processor = hf_common.load_processor(out_dir)
-    assert type(processor.image_processor) is hf_common.IMAGE_PROCESSOR_CLASS
+    assert type(processor.image_processor) is hf_common.IMAGE_PROCESSOR_CLASSES["pil"]
     assert model.config._attn_implementation == "eager"
     assert model.config.vision_config._attn_implementation == "eager"
     if cfg.tie_word_embeddings:
@@ -880,6 +927,8 @@ def build_family(family: str, tokenizer, out_root: Path, seed: int, checks: list
     (ref_dir / "images").mkdir(parents=True)
     for fname, (w, h) in spec["images"].items():
         img = draw_scene(w, h, variant=0)
+        if fname.startswith("alpha"):
+            img = with_transparency(img)
         if fname.endswith(".jpg"):
             img.save(ref_dir / "images" / fname, quality=95, subsampling=0)  # 4:4:4, no chroma subsampling
         else:
@@ -888,6 +937,7 @@ def build_family(family: str, tokenizer, out_root: Path, seed: int, checks: list
     for name, messages in CASES.items():
         model.model.rope_deltas = None
         run_case(family, name, messages, model, processor, ref_dir, checks)
+    torchvision_cases(family, model, out_dir, ref_dir, checks)
 
     # Legacy (4.x names, sharded) copy of the same weights.
     renamed = write_legacy_dir(family, out_dir, legacy_dir)
@@ -925,6 +975,25 @@ def build_family(family: str, tokenizer, out_root: Path, seed: int, checks: list
         checks.append((f"{family}: transformers loads the legacy dir to identical logits", ok, ""))
         del lm
     log(f"  {family}: wrote {out_dir.name} and {legacy_dir.name}")
+
+
+def torchvision_cases(family: str, model, out_dir: Path, ref_dir: Path, checks: list) -> None:
+    """The TORCHVISION_CASES again through the torchvision image processor (`tv_<case>`), and a
+    check that its pixels really differ from the PIL processor's (else the parity proves nothing)."""
+    processor = hf_common.load_processor(out_dir, "torchvision")
+    assert is_torchvision(processor)
+    for name in TORCHVISION_CASES:
+        model.model.rope_deltas = None
+        meta = run_case(family, f"tv_{name}", CASES[name], model, processor, ref_dir, checks)
+        pil = load_file(ref_dir / f"{name}.safetensors")["pixel_values"]
+        tv = load_file(ref_dir / f"tv_{name}.safetensors")["pixel_values"]
+        pil_tokens = json.loads((ref_dir / f"{name}.json").read_text())["greedy_tokens"]
+        differ = [i for i, (a, b) in enumerate(zip(pil_tokens, meta["greedy_tokens"])) if a != b]
+        checks.append((
+            f"{family}/tv_{name}: torchvision pixels differ from PIL's",
+            not torch.equal(pil, tv),
+            f"max diff {(pil - tv).abs().max().item():.3g}, greedy tokens first differ at {differ[0] if differ else None}",
+        ))
 
 
 def main(argv=None) -> int:

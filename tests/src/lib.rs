@@ -13,6 +13,7 @@ use tch::Tensor;
 pub mod bench;
 pub mod law_plot;
 pub mod process;
+pub mod requests;
 pub mod suite;
 
 /// The device the tests load models on: `$GLANCE_TEST_DEVICE` (`cpu`, `cuda` or `cuda:N`), else
@@ -38,7 +39,19 @@ pub fn reference_script(name: &str) -> PathBuf {
 /// The two reference families and their model directories (5.x layout, then the sharded 4.x one).
 pub const FAMILIES: [(&str, &str); 2] =
     [("tiny-qwen3-vl", "tiny-qwen3-vl-legacy"), ("tiny-qwen2.5-vl", "tiny-qwen2.5-vl-legacy")];
-pub const CASES: [&str; 5] = ["text_only", "one_image", "two_images", "resized", "multi_turn"];
+/// The VLM reference cases: through transformers' PIL image processor, then (`tv_*`) through its
+/// torchvision one.
+pub const CASES: [&str; 9] = [
+    "text_only",
+    "one_image",
+    "two_images",
+    "resized",
+    "multi_turn",
+    "alpha",
+    "tv_two_images",
+    "tv_resized",
+    "tv_alpha",
+];
 /// The text-only reference families (`tests/reference/make_text_reference.py`) and their cases.
 pub const TEXT_FAMILIES: [&str; 2] = ["tiny-llama", "tiny-qwen3"];
 pub const TEXT_CASES: [&str; 4] = ["single_turn", "with_system", "multi_turn", "long"];
@@ -88,6 +101,9 @@ pub struct Case {
     pub rope_delta: i64,
     pub greedy_tokens: Vec<i64>,
     pub tap_layers: Vec<usize>,
+    /// The transformers image processor class that made the pixels.
+    #[serde(default)]
+    pub image_processor_class: String,
     #[serde(skip)]
     pub tensors: HashMap<String, Tensor>,
     #[serde(skip)]
@@ -104,6 +120,18 @@ impl Case {
         case.tensors = tensors.into_iter().collect();
         case.dir = reference;
         case
+    }
+
+    /// The image backend that reproduces this case's pixels.
+    pub fn image_backend(&self) -> glance_input::ImageBackend {
+        image_backend_of(&self.image_processor_class)
+    }
+
+    /// The input pipeline this case was made with.
+    pub fn prompt_builder(&self, model_dir: &Path) -> glance_input::PromptBuilder {
+        let options =
+            glance_input::PromptOptions { image_backend: self.image_backend(), ..Default::default() };
+        glance_input::PromptBuilder::from_model_dir(model_dir, options).expect("prompt builder")
     }
 
     pub fn tensor(&self, name: &str) -> &Tensor {
@@ -133,6 +161,15 @@ impl Case {
                 ChatMessage { role: m["role"].as_str().unwrap_or_default().to_string(), content }
             })
             .collect()
+    }
+}
+
+/// `Qwen2VLImageProcessorPil` is the PIL backend; `Qwen2VLImageProcessor` the torchvision one.
+pub fn image_backend_of(image_processor_class: &str) -> glance_input::ImageBackend {
+    if image_processor_class.ends_with("Pil") {
+        glance_input::ImageBackend::Pil
+    } else {
+        glance_input::ImageBackend::Torchvision
     }
 }
 

@@ -1,9 +1,9 @@
-//! Parity of the tch target models with Hugging Face transformers (float32): logits and tapped
-//! hidden states within 1e-4 on the reference's own inputs, and identical greedy tokens through
-//! our whole input pipeline — for every case of both families and both weight layouts. Then the
+//! Parity of the tch target models with Hugging Face transformers (float32): tapped hidden states
+//! within 1e-4 and logits within 2e-5 of their largest magnitude on the reference's own inputs,
+//! and identical greedy tokens through our whole input pipeline (with the image processor each
+//! case was made with) — for every case of both families and both weight layouts. Then the
 //! teeth: breaking one thing on purpose must change the greedy tokens.
 
-use glance_input::{PromptBuilder, PromptOptions};
 use glance_models::decode::{greedy_generate_batch, GreedyParams, ModelInputs};
 use glance_models::TargetModel;
 use glance_tests::{
@@ -12,6 +12,9 @@ use glance_tests::{
 use tch::Kind;
 
 const TOLERANCE: f64 = 1e-4;
+/// Logits grow with the strong random init (|logit| about 9 on Qwen2.5-VL), and f32 rounding
+/// through the vision tower with them: their bound is relative to the largest, never below 1e-4.
+const LOGIT_TOLERANCE: f64 = 2e-5;
 
 fn load(dir: &std::path::Path) -> TargetModel {
     TargetModel::load(dir, Kind::Float, test_device()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
@@ -26,15 +29,17 @@ fn logits_and_taps_match_transformers() {
             for name in CASES {
                 let case = Case::load(&root.join(family), name);
                 let (logits, taps) = prompt_forward(&model, &reference_inputs(&case), &case.tap_layers);
-                let logit_diff = max_abs_diff(&logits, case.tensor("logits"));
+                let reference = case.tensor("logits");
+                let logit_diff = max_abs_diff(&logits, reference);
+                let logit_bound = LOGIT_TOLERANCE * reference.abs().max().double_value(&[]).max(5.0);
                 let tap_diff = case
                     .tap_layers
                     .iter()
                     .zip(&taps)
                     .map(|(layer, tap)| max_abs_diff(tap, case.tensor(&format!("hidden_{layer}"))))
                     .fold(0.0, f64::max);
-                println!("{dir}/{name}: logits max|Δ| {logit_diff:.2e}, taps max|Δ| {tap_diff:.2e}");
-                assert!(logit_diff <= TOLERANCE, "{dir}/{name}: logits differ by {logit_diff}");
+                println!("{dir}/{name}: logits max|Δ| {logit_diff:.2e} (bound {logit_bound:.1e}), taps max|Δ| {tap_diff:.2e}");
+                assert!(logit_diff <= logit_bound, "{dir}/{name}: logits differ by {logit_diff}");
                 assert!(tap_diff <= TOLERANCE, "{dir}/{name}: tapped states differ by {tap_diff}");
             }
         }
@@ -47,10 +52,9 @@ fn greedy_tokens_match_transformers_through_our_pipeline() {
     for (family, _) in FAMILIES {
         let dir = root.join(family);
         let model = load(&dir);
-        let prompts = PromptBuilder::from_model_dir(&dir, PromptOptions::default()).expect("prompt builder");
         for name in CASES {
             let case = Case::load(&dir, name);
-            let prompt = prompts.build(&case.chat_messages()).expect("prompt");
+            let prompt = case.prompt_builder(&dir).build(&case.chat_messages()).expect("prompt");
             let inputs = prompt.model_inputs();
             assert_eq!(inputs.input_ids, case.input_ids, "{family}/{name}: input ids");
             let tokens = greedy(&model, &inputs, case.greedy_tokens.len());

@@ -1,6 +1,6 @@
 //! verifier-svc as a process on a loopback port: the served tokens equal the in-process greedy
-//! decoder's, streaming equals unary, health and reflection answer, every bad input gets its status
-//! code while the server keeps serving, and a client that goes away stops its generation.
+//! decoder's, streaming equals unary, health and reflection answer, and a client that goes away
+//! stops its generation. Bad requests have their own table in `bad_inputs.rs`.
 
 use std::time::{Duration, Instant};
 
@@ -10,62 +10,38 @@ use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_tests::process::ServiceProcess;
+use glance_tests::requests::{request, text, user};
 use glance_tests::{fixtures, Case};
 use tonic::transport::Channel;
-use tonic::Code;
-
-fn request(messages: Vec<pb::ChatMessage>, max_new_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest { messages, max_new_tokens, stop: vec![], decoding: None }
-}
-
-fn user(parts: Vec<pb::content_part::Part>) -> Vec<pb::ChatMessage> {
-    vec![pb::ChatMessage {
-        role: "user".into(),
-        content: parts.into_iter().map(|p| pb::ContentPart { part: Some(p) }).collect(),
-    }]
-}
-
-fn image(data: Vec<u8>, mime: &str) -> pb::content_part::Part {
-    pb::content_part::Part::Image(pb::Image { data, mime_type: mime.into() })
-}
-
-fn text(t: &str) -> pb::content_part::Part {
-    pb::content_part::Part::Text(t.into())
-}
 
 async fn connect(url: &str) -> GenerationClient<Channel> {
     GenerationClient::connect(url.to_string()).await.expect("connect")
 }
 
-/// A PNG whose header claims `width`×`height` (valid CRCs, no pixel data worth decoding).
-fn png_claiming(width: u32, height: u32) -> Vec<u8> {
-    let mut header = width.to_be_bytes().to_vec();
-    header.extend(height.to_be_bytes());
-    header.extend([8, 2, 0, 0, 0]);
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    push_chunk(&mut png, b"IHDR", &header);
-    push_chunk(&mut png, b"IDAT", &[0x78, 0x9c, 0x03, 0x00]);
-    push_chunk(&mut png, b"IEND", &[]);
-    png
-}
-
-fn push_chunk(png: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    png.extend((data.len() as u32).to_be_bytes());
-    let mut body = kind.to_vec();
-    body.extend(data);
-    png.extend(&body);
-    png.extend(crc32(&body).to_be_bytes());
-}
-
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = 0xFFFF_FFFFu32;
-    for &b in bytes {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
-        }
+/// `--image-backend` picks the transformers image processor the pixels reproduce: by default the
+/// torchvision one, on request the PIL one; each serves its reference case's greedy tokens (the
+/// pixels themselves are compared in `common/input/tests/input_parity.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_image_backend_flag_picks_the_processor() {
+    let Some(root) = fixtures() else { return };
+    let dir = root.join("tiny-qwen2.5-vl");
+    for (args, backend, case) in
+        [(&[][..], "torchvision", "tv_alpha"), (&["--image-backend", "pil"][..], "pil", "alpha")]
+    {
+        let server = ServiceProcess::verifier(&dir, args);
+        let mut client = connect(&server.url).await;
+        let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
+        assert_eq!(info.image_backend, backend);
+        let case = Case::load(&dir, case);
+        assert_eq!(glance_tests::image_backend_of(&case.image_processor_class).name(), backend);
+        let request = pb::GenerateRequest {
+            decoding: Some(pb::DecodingOptions { ignore_eos: true, ..Default::default() }),
+            ..request(glance_tests::suite::to_proto(&case.chat_messages()), 32)
+        };
+        let served = client.generate(request).await.unwrap().into_inner().token_ids;
+        let expected: Vec<u32> = case.greedy_tokens.iter().map(|&t| t as u32).collect();
+        assert_eq!(served, expected, "{backend}: served tokens differ from transformers'");
     }
-    !crc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,122 +137,6 @@ async fn health_reflection_and_model_info() {
     assert_eq!(info.model_type, "qwen3_vl");
     assert_eq!(info.vocab_size, 1024);
     assert!(info.context_window > 0 && info.max_new_tokens_limit > 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_inputs_get_clear_statuses_and_the_server_keeps_serving() {
-    let Some(root) = fixtures() else { return };
-    let dir = root.join("tiny-qwen3-vl");
-    let args = [
-        "--max-images",
-        "2",
-        "--context-window",
-        "256",
-        "--max-new-tokens-limit",
-        "64",
-        "--max-image-bytes",
-        "100000",
-        "--max-request-bytes",
-        "4000000",
-        "--max-decoded-pixels",
-        "1000000",
-    ];
-    let server = ServiceProcess::verifier(&dir, &args);
-    let mut client = connect(&server.url).await.max_encoding_message_size(64 << 20);
-    let good_png = std::fs::read(dir.join("reference/images/square.png")).unwrap();
-    let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
-    assert_eq!((info.max_image_bytes, info.max_request_bytes), (100_000, 4_000_000));
-    assert_eq!(info.max_decoded_pixels, 1_000_000);
-    // The text bound is what 256 tokens can hold, and no less than 256 bytes.
-    let text_limit = info.max_text_bytes as usize;
-    assert!((256..4_000_000).contains(&text_limit), "{text_limit}");
-
-    let cases: Vec<(&str, pb::GenerateRequest, Code, &str)> = vec![
-        (
-            "corrupt image",
-            request(user(vec![image(b"\x89PNG\r\n\x1a\nnot really".to_vec(), "image/png"), text("hi")]), 8),
-            Code::InvalidArgument,
-            "messages[0].content[0]",
-        ),
-        (
-            "unsupported mime",
-            request(user(vec![image(good_png.clone(), "image/gif"), text("hi")]), 8),
-            Code::InvalidArgument,
-            "mime",
-        ),
-        (
-            "too many pixels",
-            request(user(vec![image(png_claiming(100_000, 100_000), "image/png"), text("hi")]), 8),
-            Code::InvalidArgument,
-            "pixels",
-        ),
-        (
-            "just past --max-decoded-pixels",
-            request(user(vec![image(png_claiming(1001, 1000), "image/png"), text("hi")]), 8),
-            Code::InvalidArgument,
-            "1000000",
-        ),
-        (
-            "too many images",
-            request(
-                user(vec![
-                    image(good_png.clone(), ""),
-                    image(good_png.clone(), ""),
-                    image(good_png.clone(), ""),
-                    text("hi"),
-                ]),
-                8,
-            ),
-            Code::InvalidArgument,
-            "images",
-        ),
-        (
-            // Refused by its size, before any tokenizing (the context-window check comes after).
-            "text past what the context window can hold",
-            request(user(vec![text("hi"), text(&"x".repeat(text_limit))]), 8),
-            Code::InvalidArgument,
-            "messages[0].content[1]: the messages' text reaches",
-        ),
-        (
-            "an image past the byte limit, before decoding",
-            request(user(vec![image(vec![0u8; 100_001], "image/png"), text("hi")]), 8),
-            Code::InvalidArgument,
-            "max-image-bytes",
-        ),
-        (
-            "a request past the transport's limit",
-            request(user(vec![text(&"x".repeat(4_000_001))]), 8),
-            Code::OutOfRange,
-            "the limit is: 4000000 bytes",
-        ),
-        (
-            "prompt over context",
-            request(user(vec![text(&"many words here ".repeat(200))]), 8),
-            Code::InvalidArgument,
-            "context window",
-        ),
-        ("zero max_new_tokens", request(user(vec![text("hi")]), 0), Code::InvalidArgument, "max_new_tokens"),
-        (
-            "max_new_tokens over limit",
-            request(user(vec![text("hi")]), 65),
-            Code::InvalidArgument,
-            "max_new_tokens",
-        ),
-        ("no messages", request(vec![], 8), Code::InvalidArgument, "messages"),
-        (
-            "bad role",
-            request(vec![pb::ChatMessage { role: "wizard".into(), content: vec![] }], 8),
-            Code::InvalidArgument,
-            "role",
-        ),
-    ];
-    for (what, req, code, needle) in cases {
-        let status = client.generate(req).await.expect_err(what);
-        assert_eq!(status.code(), code, "{what}: {}", status.message());
-        assert!(status.message().contains(needle), "{what}: message {:?} lacks {needle:?}", status.message());
-    }
-    let ok = client.generate(request(user(vec![image(good_png, ""), text("Describe it.")]), 8)).await;
-    assert!(ok.is_ok(), "server stopped serving after bad inputs: {ok:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

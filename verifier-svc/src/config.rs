@@ -58,6 +58,14 @@ pub struct Args {
     /// as they are, so transparent pixels show whatever colour they carry, usually black).
     #[arg(long, env = "GLANCE_IMAGE_ALPHA", value_enum, default_value = "composite")]
     pub image_alpha: ImageAlpha,
+    /// Whose resize and normalization image pixels reproduce bit for bit: `torchvision`
+    /// (transformers' `Qwen2VLImageProcessor`, antialiased bicubic on uint8 tensors: what
+    /// `AutoProcessor` picks whenever torchvision is installed, as in vLLM and SGLang
+    /// deployments) or `pil` (`Qwen2VLImageProcessorPil`, Pillow's bicubic: transformers without
+    /// torchvision, or `backend="pil"`). The two round differently, which can change greedy
+    /// tokens after a few dozen steps: match the stack the model is compared against.
+    #[arg(long, env = "GLANCE_IMAGE_BACKEND", value_enum, default_value_t = ImageBackend::Torchvision)]
+    pub image_backend: ImageBackend,
     /// Background colour transparent images are composited onto, `R,G,B`.
     #[arg(long, env = "GLANCE_IMAGE_BACKGROUND", value_parser = parse_rgb, default_value = "255,255,255")]
     pub image_background: [u8; 3],
@@ -109,7 +117,22 @@ pub enum ImageAlpha {
     Drop,
 }
 
+/// `--image-backend`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageBackend {
+    Torchvision,
+    Pil,
+}
+
 impl Args {
+    /// Whose image processor the pixels reproduce.
+    pub fn image_backend(&self) -> glance_input::ImageBackend {
+        match self.image_backend {
+            ImageBackend::Torchvision => glance_input::ImageBackend::Torchvision,
+            ImageBackend::Pil => glance_input::ImageBackend::Pil,
+        }
+    }
+
     /// The input pipeline's handling of transparency.
     pub fn alpha(&self) -> glance_input::Alpha {
         match self.image_alpha {

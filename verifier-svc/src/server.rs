@@ -84,6 +84,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         max_images: args.max_images,
         alpha: args.alpha(),
         max_decoded_pixels: args.max_decoded_pixels,
+        image_backend: args.image_backend(),
     };
     let prompts =
         PromptBuilder::from_model_dir(&args.model, options).map_err(|e| model_err(e.to_string()))?;
@@ -208,6 +209,11 @@ fn model_info(
         max_text_bytes: limits.max_text_bytes as u64,
         max_image_bytes: if prompts.takes_images() { limits.max_image_bytes as u64 } else { 0 },
         max_decoded_pixels: if prompts.takes_images() { args.max_decoded_pixels } else { 0 },
+        image_backend: if prompts.takes_images() {
+            args.image_backend().name().to_string()
+        } else {
+            String::new()
+        },
     }
 }
 

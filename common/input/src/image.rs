@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use super::error::{read_json, read_optional_json, InputError, LoadError};
 use super::jpeg::{decode_jpeg, JpegPixels};
-use super::resample::resize_bicubic;
+use super::resample::{resize_bicubic, resize_bicubic_torchvision};
 
 /// Decoded images larger than this are refused before any pixel is decoded (8192 x 8192). Far above
 /// what the processor keeps (`max_pixels`), it only stops decompression bombs.
@@ -52,6 +52,37 @@ pub struct ImageProcessorConfig {
     pub do_convert_rgb: bool,
     /// What becomes of transparency: a serving choice (`--image-alpha`), not the checkpoint's.
     pub alpha: Alpha,
+    /// Which of transformers' two processors the pixels reproduce: a serving choice too
+    /// (`--image-backend`), since transformers picks it by environment, never from the checkpoint.
+    pub backend: ImageBackend,
+}
+
+/// Which of transformers' two Qwen-VL image processors the pixels reproduce. Both decode and
+/// convert to RGB alike (PIL) and lay out patches alike; they differ in the resize and in the
+/// rounding of the normalization, enough to change greedy tokens after a few dozen steps.
+///
+/// transformers 5.x chooses by environment alone: `AutoImageProcessor` builds the torchvision
+/// class whenever torchvision is installed (as in every vLLM or SGLang deployment) and the PIL
+/// class otherwise, whatever `image_processor_type` the checkpoint names; `backend="pil"` forces
+/// the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImageBackend {
+    /// `Qwen2VLImageProcessorPil`: Pillow's bicubic, rescale in f64 then normalize in f32 (numpy).
+    Pil,
+    /// `Qwen2VLImageProcessor`: torch's antialiased bicubic on uint8 tensors (on CPU, where
+    /// transformers processes images by default), rescale folded into the normalization in f32.
+    #[default]
+    Torchvision,
+}
+
+impl ImageBackend {
+    /// The name `--image-backend` and ModelInfo use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ImageBackend::Pil => "pil",
+            ImageBackend::Torchvision => "torchvision",
+        }
+    }
 }
 
 /// What an image's alpha channel becomes on the way to RGB.
@@ -89,6 +120,7 @@ impl Default for ImageProcessorConfig {
             do_normalize: true,
             do_convert_rgb: true,
             alpha: Alpha::default(),
+            backend: ImageBackend::default(),
         }
     }
 }
@@ -179,6 +211,7 @@ impl ImageProcessorConfig {
             do_normalize: raw.do_normalize.unwrap_or(true),
             do_convert_rgb: raw.do_convert_rgb.unwrap_or(true),
             alpha: defaults.alpha,
+            backend: defaults.backend,
         };
         config.validate()?;
         Ok(config)
@@ -505,7 +538,7 @@ pub fn preprocess_image(img: &DynamicImage, cfg: &ImageProcessorConfig) -> Resul
 }
 
 /// The 8-bit image exactly as HF has it after its resize step (before rescaling): resized to the
-/// `smart_resize` target with Pillow's bicubic, or borrowed unchanged when no resize is needed.
+/// `smart_resize` target with the backend's bicubic, or borrowed unchanged when no resize is needed.
 pub fn resize_for_model<'a>(
     rgb: &'a RgbImage,
     cfg: &ImageProcessorConfig,
@@ -519,7 +552,11 @@ pub fn resize_for_model<'a>(
         return Ok(Cow::Borrowed(rgb));
     }
     let (new_w, new_h) = (to_u32(new_w, height, width)?, to_u32(new_h, height, width)?);
-    Ok(Cow::Owned(resize_bicubic(rgb, new_w, new_h)))
+    let resize = match cfg.backend {
+        ImageBackend::Pil => resize_bicubic,
+        ImageBackend::Torchvision => resize_bicubic_torchvision,
+    };
+    Ok(Cow::Owned(resize(rgb, new_w, new_h)))
 }
 
 /// `smart_resize` can only grow an image up to `min_pixels`, so this only trips on absurd configs.
@@ -588,24 +625,47 @@ fn push_patch(
     }
 }
 
-/// The normalized value of every 8-bit level per channel, computed with numpy's exact dtypes:
-/// rescale in float64 then cast to float32 (`np_rescale`), normalize in float32 (`np_normalize`).
+/// The normalized value of every 8-bit level per channel, with each backend's exact dtypes.
 fn normalization_table(cfg: &ImageProcessorConfig) -> [[f32; 256]; 3] {
     let mut lut = [[0f32; 256]; 3];
     for (c, table) in lut.iter_mut().enumerate() {
-        let (mean, std) = (cfg.image_mean[c] as f32, cfg.image_std[c] as f32);
         for (level, slot) in table.iter_mut().enumerate() {
-            let mut v = level as f32;
-            if cfg.do_rescale {
-                v = (level as f64 * cfg.rescale_factor) as f32;
-            }
-            if cfg.do_normalize {
-                v = (v - mean) / std;
-            }
-            *slot = v;
+            *slot = match cfg.backend {
+                ImageBackend::Pil => numpy_normalized(level as u8, c, cfg),
+                ImageBackend::Torchvision => torch_normalized(level as u8, c, cfg),
+            };
         }
     }
     lut
+}
+
+/// `np_rescale` (f64, then cast to f32) followed by `np_normalize` (f32).
+fn numpy_normalized(level: u8, channel: usize, cfg: &ImageProcessorConfig) -> f32 {
+    let mut v = f32::from(level);
+    if cfg.do_rescale {
+        v = (f64::from(level) * cfg.rescale_factor) as f32;
+    }
+    if cfg.do_normalize {
+        v = (v - cfg.image_mean[channel] as f32) / cfg.image_std[channel] as f32;
+    }
+    v
+}
+
+/// The torchvision backend's `rescale_and_normalize`: with both steps on, the rescale is folded
+/// into f32 mean and std (`tensor(mean) * (1 / rescale_factor)`, the factor cast to f32 as torch
+/// does a Python scalar) and the level normalized with them; else one of the two alone, in f32.
+fn torch_normalized(level: u8, channel: usize, cfg: &ImageProcessorConfig) -> f32 {
+    let (mean, std) = (cfg.image_mean[channel] as f32, cfg.image_std[channel] as f32);
+    let v = f32::from(level);
+    match (cfg.do_rescale, cfg.do_normalize) {
+        (true, true) => {
+            let inverse = (1.0 / cfg.rescale_factor) as f32;
+            (v - mean * inverse) / (std * inverse)
+        }
+        (false, true) => (v - mean) / std,
+        (true, false) => v * cfg.rescale_factor as f32,
+        (false, false) => v,
+    }
 }
 
 #[cfg(test)]

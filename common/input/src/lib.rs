@@ -17,8 +17,9 @@ pub use self::chat::{ChatTemplate, TemplateContent, TemplateMessage, TemplatePar
 pub use self::error::{InputError, LoadError};
 pub use self::image::{
     decode_image, decode_image_with_limit, flatten_alpha, patchify, preprocess_image, resize_for_model,
-    smart_resize, to_rgb8, Alpha, ImageProcessorConfig, PreparedImage, DEFAULT_MAX_DECODED_PIXELS,
+    smart_resize, to_rgb8, Alpha, ImageBackend, ImageProcessorConfig, PreparedImage,
+    DEFAULT_MAX_DECODED_PIXELS,
 };
 pub use self::prompt::{ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions, SpecialTokens};
-pub use self::resample::resize_bicubic;
+pub use self::resample::{resize_bicubic, resize_bicubic_torchvision};
 pub use self::rope_index::{decode_position, decode_positions, mrope_position_ids, MropePositions};

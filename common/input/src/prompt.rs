@@ -14,7 +14,7 @@ use tokenizers::Tokenizer;
 use super::chat::{token_text, ChatTemplate, TemplateContent, TemplateMessage, TemplatePart};
 use super::error::{read_optional_json, InputError, LoadError};
 use super::image::{
-    decode_image_with_limit, preprocess_image, Alpha, ImageProcessorConfig, PreparedImage,
+    decode_image_with_limit, preprocess_image, Alpha, ImageBackend, ImageProcessorConfig, PreparedImage,
     DEFAULT_MAX_DECODED_PIXELS,
 };
 use super::rope_index::{mrope_position_ids, MropePositions};
@@ -53,6 +53,8 @@ pub struct PromptOptions {
     pub max_decoded_pixels: u64,
     /// What transparency becomes (composited onto white by default).
     pub alpha: Alpha,
+    /// Whose resize and normalization the pixels reproduce (torchvision's by default).
+    pub image_backend: ImageBackend,
 }
 
 impl Default for PromptOptions {
@@ -63,6 +65,7 @@ impl Default for PromptOptions {
             max_images: 16,
             max_decoded_pixels: DEFAULT_MAX_DECODED_PIXELS,
             alpha: Alpha::default(),
+            image_backend: ImageBackend::default(),
         }
     }
 }
@@ -400,6 +403,7 @@ impl VisionInputs {
             .with_pixel_bounds(options.min_pixels, options.max_pixels)
             .map_err(|reason| LoadError::InvalidOption { name: "min_pixels/max_pixels", reason })?;
         image_config.alpha = options.alpha;
+        image_config.backend = options.image_backend;
         let special = special_tokens(config, tokenizer, &image_config)
             .map_err(|reason| LoadError::InvalidConfig { path: dir.join("config.json"), reason })?;
         Ok(Self { image_config, special })

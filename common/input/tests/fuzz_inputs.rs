@@ -1,7 +1,8 @@
 //! Fuzzing the input pipeline (property tests on stable Rust): mutated PNG, JPEG and WebP bytes
 //! through decoding and the Qwen-VL preprocessing, and arbitrary conversations (any Unicode,
 //! special-token strings, template syntax, many parts) through prompt building on the committed
-//! toy checkpoint. Every case is an `Ok` or an error naming what was wrong, never a panic.
+//! toy checkpoint, and both bicubic resizes at arbitrary sizes. Every case is an `Ok` or an error
+//! naming what was wrong, never a panic.
 //! `GLANCE_FUZZ_CASES` sets the number of cases.
 
 use std::io::Cursor;
@@ -9,10 +10,10 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use glance_input::{
-    decode_image_with_limit, preprocess_image, ChatMessage, ContentPart, ImageProcessorConfig, PromptBuilder,
-    PromptOptions,
+    decode_image_with_limit, preprocess_image, resize_bicubic, resize_bicubic_torchvision, ChatMessage,
+    ContentPart, ImageBackend, ImageProcessorConfig, PromptBuilder, PromptOptions,
 };
-use image::{DynamicImage, ImageFormat};
+use image::{DynamicImage, ImageFormat, RgbImage};
 use proptest::prelude::*;
 
 fn cases(default: u32) -> u32 {
@@ -73,6 +74,10 @@ fn mutated_image() -> impl Strategy<Value = Vec<u8>> {
 }
 
 /// Mostly "detect from the bytes", sometimes a claim that may not match them.
+fn backend() -> impl Strategy<Value = ImageBackend> {
+    prop_oneof![Just(ImageBackend::Pil), Just(ImageBackend::Torchvision)]
+}
+
 fn mime() -> impl Strategy<Value = String> {
     let claimed =
         prop::sample::select(vec!["image/png", "image/jpeg", "image/webp", "image/gif", "text/plain"]);
@@ -125,14 +130,35 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(3_000), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn mutated_images_decode_and_preprocess_or_fail_cleanly(bytes in mutated_image(), mime in mime()) {
+    fn mutated_images_decode_and_preprocess_or_fail_cleanly(
+        bytes in mutated_image(),
+        mime in mime(),
+        backend in backend(),
+    ) {
         // A cap well below the product's keeps each case fast; the checks are the same.
         if let Ok(image) = decode_image_with_limit(&bytes, &mime, 1 << 20) {
             prop_assert!(image.width() > 0 && image.height() > 0);
-            if let Ok(prepared) = preprocess_image(&image, &ImageProcessorConfig::default()) {
+            let config = ImageProcessorConfig { backend, ..ImageProcessorConfig::default() };
+            if let Ok(prepared) = preprocess_image(&image, &config) {
                 prop_assert_eq!(prepared.pixel_values.len(), prepared.n_patches * prepared.patch_dim);
                 prop_assert!(prepared.pixel_values.iter().all(|v| v.is_finite()));
             }
+        }
+    }
+
+    #[test]
+    fn resizes_of_any_size_keep_a_constant_image_constant(
+        from in (1u32..200, 1u32..200),
+        to in (1u32..200, 1u32..200),
+        colour in any::<[u8; 3]>(),
+    ) {
+        // Every window and weight of both kernels, at sizes no test picked; a constant image
+        // must come out constant (the weights of each output sum to one in fixed point).
+        let src = RgbImage::from_pixel(from.0, from.1, image::Rgb(colour));
+        for resize in [resize_bicubic, resize_bicubic_torchvision] {
+            let out = resize(&src, to.0, to.1);
+            prop_assert_eq!(out.dimensions(), to);
+            prop_assert!(out.pixels().all(|p| p.0 == colour));
         }
     }
 

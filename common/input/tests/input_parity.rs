@@ -6,16 +6,16 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use glance_input::{
-    decode_image, resize_for_model, to_rgb8, ChatMessage, ContentPart, Prompt, PromptBuilder, PromptOptions,
+    decode_image, flatten_alpha, resize_for_model, ChatMessage, ContentPart, ImageBackend, Prompt,
+    PromptBuilder, PromptOptions,
 };
 use safetensors::SafeTensors;
 use serde_json::Value;
 
 const MODELS: [&str; 2] = ["tiny-qwen3-vl", "tiny-qwen2.5-vl"];
-/// Pixel values of unresized images go through the same f32 arithmetic as numpy.
-const EXACT_PIXEL_TOLERANCE: f32 = 1e-5;
-/// Resized images may differ from Pillow's by one 8-bit level (decoder or resampler rounding).
-const RESIZE_LEVEL_TOLERANCE: f32 = 1.0;
+/// Pixel values go through the same f32 arithmetic as the processor's (numpy's or torch's); in
+/// practice they are identical.
+const PIXEL_TOLERANCE: f32 = 1e-5;
 
 /// The fixture root, or `None` when fixtures are absent and not required.
 fn fixture_root() -> Option<PathBuf> {
@@ -54,12 +54,16 @@ fn check_model(model: &str) -> Result<()> {
         return Ok(());
     };
     let model_dir = root.join(model);
-    let builder = PromptBuilder::from_model_dir(&model_dir, PromptOptions::default())
-        .with_context(|| format!("loading {}", model_dir.display()))?;
     let cases = case_files(&model_dir.join("reference"))?;
     ensure!(!cases.is_empty(), "{model}: no reference cases");
+    let mut backends = Vec::new();
     for case in cases {
-        check_case(&builder, &case).with_context(|| format!("{model}: {}", case.display()))?;
+        let backend =
+            check_case(&model_dir, &case).with_context(|| format!("{model}: {}", case.display()))?;
+        backends.push(backend);
+    }
+    for backend in [ImageBackend::Pil, ImageBackend::Torchvision] {
+        ensure!(backends.contains(&backend), "{model}: no case made with the {} processor", backend.name());
     }
     Ok(())
 }
@@ -87,6 +91,15 @@ impl Case {
         let tensors = std::fs::read(path.with_extension("safetensors"))?;
         let dir = path.parent().context("case has no directory")?.to_path_buf();
         Ok(Self { json, tensors, dir })
+    }
+
+    /// `Qwen2VLImageProcessorPil` made it with the PIL backend, `Qwen2VLImageProcessor` with torchvision.
+    fn image_backend(&self) -> Result<ImageBackend> {
+        match self.field("image_processor_class")?.as_str() {
+            Some("Qwen2VLImageProcessorPil") => Ok(ImageBackend::Pil),
+            Some("Qwen2VLImageProcessor") => Ok(ImageBackend::Torchvision),
+            other => bail!("unknown image_processor_class {other:?}"),
+        }
     }
 
     fn field(&self, key: &str) -> Result<&Value> {
@@ -137,8 +150,15 @@ fn mime_for(path: &str) -> &'static str {
     }
 }
 
-fn check_case(builder: &PromptBuilder, path: &Path) -> Result<()> {
+/// Checks one case through the input pipeline of the processor that made it; returns which.
+fn check_case(model_dir: &Path, path: &Path) -> Result<ImageBackend> {
     let case = Case::load(path)?;
+    let backend = case.image_backend()?;
+    let builder = PromptBuilder::from_model_dir(
+        model_dir,
+        PromptOptions { image_backend: backend, ..Default::default() },
+    )
+    .with_context(|| format!("loading {}", model_dir.display()))?;
     let prompt = builder.build(&case.messages()?)?;
     ensure!(
         prompt.text == case.field("prompt_text")?.as_str().unwrap_or_default(),
@@ -148,7 +168,8 @@ fn check_case(builder: &PromptBuilder, path: &Path) -> Result<()> {
     let expected_ids: Vec<u32> = serde_json::from_value(case.field("input_ids")?.clone())?;
     ensure!(prompt.input_ids == expected_ids, "input_ids differ: {:?}", prompt.input_ids);
     check_positions(&case, &prompt)?;
-    check_images(builder, &case, &prompt)
+    check_images(&builder, &case, &prompt)?;
+    Ok(backend)
 }
 
 fn check_positions(case: &Case, prompt: &Prompt) -> Result<()> {
@@ -175,37 +196,40 @@ fn check_images(builder: &PromptBuilder, case: &Case, prompt: &Prompt) -> Result
         ensure!(shape[1] == image.patch_dim, "patch_dim {} != {}", image.patch_dim, shape[1]);
         let rows = &reference[offset..offset + image.pixel_values.len()];
         offset += image.pixel_values.len();
-        let tolerance = pixel_tolerance(builder, case, k)?;
+        check_resized(builder, case, k)?;
         let diff = max_abs_diff(&image.pixel_values, rows);
         println!("{} image {k}: pixel_values max abs difference {diff:e}", case_name(case));
-        ensure!(diff <= tolerance, "image {k}: pixel_values differ by {diff} (> {tolerance})");
+        ensure!(diff <= PIXEL_TOLERANCE, "image {k}: pixel_values differ by {diff} (> {PIXEL_TOLERANCE})");
     }
     ensure!(offset == reference.len(), "pixel_values has {} values, expected {offset}", reference.len());
     Ok(())
 }
 
-/// Exact for images HF did not resize; for resized ones, checks the resized 8-bit image against
-/// Pillow's and allows that difference through normalization.
-fn pixel_tolerance(builder: &PromptBuilder, case: &Case, k: usize) -> Result<f32> {
+/// For a resized image, first checks the resized 8-bit image against the reference processor's:
+/// the decoder and both resizes are bit-exact, so they must be identical.
+fn check_resized(builder: &PromptBuilder, case: &Case, k: usize) -> Result<()> {
     let meta = &case.field("images")?[k];
     if meta["orig_hw"] == meta["resized_hw"] {
-        return Ok(EXACT_PIXEL_TOLERANCE);
+        return Ok(());
     }
     let path = meta["path"].as_str().context("image path")?;
     let data = std::fs::read(case.dir.join(path))?;
-    let rgb = to_rgb8(&decode_image(&data, mime_for(path))?);
-    report_decode_difference(case, k, &rgb, path)?;
     let cfg = builder.image_config().expect("a VLM");
+    let rgb = flatten_alpha(&decode_image(&data, mime_for(path))?, cfg.alpha);
+    report_decode_difference(case, k, &rgb, path)?;
     let resized = resize_for_model(&rgb, cfg)?;
     let (shape, reference) = case.tensor(&format!("resized_{k}"))?;
     let size = [resized.height() as usize, resized.width() as usize, 3];
     ensure!(shape == size, "resized_{k}: shape {size:?} != {shape:?}");
     let actual: Vec<f32> = resized.as_raw().iter().map(|&v| f32::from(v)).collect();
     let levels = max_abs_diff(&actual, &reference);
-    println!("{} {path}: resized image max 8-bit difference vs Pillow: {levels}", case_name(case));
-    ensure!(levels <= RESIZE_LEVEL_TOLERANCE, "resized_{k} differs by {levels} levels");
-    let min_std = cfg.image_std.iter().copied().fold(f64::INFINITY, f64::min) as f32;
-    Ok(levels / 255.0 / min_std + EXACT_PIXEL_TOLERANCE)
+    println!(
+        "{} {path}: resized image max 8-bit difference vs {}: {levels}",
+        case_name(case),
+        cfg.backend.name()
+    );
+    ensure!(levels == 0.0, "resized_{k} differs by {levels} levels");
+    Ok(())
 }
 
 /// JPEG decoders may round differently from libjpeg; printed to tell that apart from resizing.

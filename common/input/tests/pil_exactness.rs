@@ -1,9 +1,10 @@
-//! Bit-exactness with Pillow 13, the library HF's Qwen-VL processor resizes and decodes with, on
-//! small images committed under `tests/data/pil` (see `generate.py` there). Needs no fixtures.
+//! Bit-exactness with Pillow 13, the library HF's Qwen-VL processors decode with and the PIL one
+//! resizes with, and with torchvision 0.28, which the other one resizes with, on small images
+//! committed under `tests/data/pil` (see `generate.py` there). Needs no fixtures.
 
 use std::path::{Path, PathBuf};
 
-use glance_input::{decode_image, resize_bicubic, to_rgb8};
+use glance_input::{decode_image, resize_bicubic, resize_bicubic_torchvision, to_rgb8};
 use image::RgbImage;
 
 fn data_dir() -> PathBuf {
@@ -16,28 +17,38 @@ fn load_png(name: &str) -> RgbImage {
     to_rgb8(&decode_image(&bytes, "image/png").expect("test image decodes"))
 }
 
-/// `src_to_WxH.png` -> (W, H).
-fn target_size(name: &str) -> Option<(u32, u32)> {
-    let size = name.strip_prefix("src_to_")?.strip_suffix(".png")?;
+/// `{prefix}WxH.png` -> (W, H).
+fn target_size(name: &str, prefix: &str) -> Option<(u32, u32)> {
+    let size = name.strip_prefix(prefix)?.strip_suffix(".png")?;
     let (w, h) = size.split_once('x')?;
     Some((w.parse().ok()?, h.parse().ok()?))
 }
 
-#[test]
-fn bicubic_resize_is_bit_exact_with_pillow() {
+/// Resizes `src.png` to the size of every `{prefix}WxH.png` and compares pixel for pixel.
+fn check_resizes(prefix: &str, resize: fn(&RgbImage, u32, u32) -> RgbImage, library: &str) {
     let src = load_png("src.png");
     let mut checked = 0;
     for entry in std::fs::read_dir(data_dir()).expect("data dir") {
         let name = entry.expect("dir entry").file_name().to_string_lossy().into_owned();
-        let Some((width, height)) = target_size(&name) else {
+        let Some((width, height)) = target_size(&name, prefix) else {
             continue;
         };
         let expected = load_png(&name);
-        let actual = resize_bicubic(&src, width, height);
-        assert!(actual == expected, "{name}: differs from Pillow");
+        let actual = resize(&src, width, height);
+        assert!(actual == expected, "{name}: differs from {library}");
         checked += 1;
     }
     assert!(checked >= 5, "only {checked} reference resizes found");
+}
+
+#[test]
+fn bicubic_resize_is_bit_exact_with_pillow() {
+    check_resizes("src_to_", resize_bicubic, "Pillow");
+}
+
+#[test]
+fn antialiased_bicubic_resize_is_bit_exact_with_torchvision() {
+    check_resizes("src_tv_to_", resize_bicubic_torchvision, "torchvision");
 }
 
 #[test]

@@ -1,6 +1,6 @@
-"""Regenerates the Pillow reference images `pil_exactness.rs` checks against.
+"""Regenerates the Pillow and torchvision reference images `pil_exactness.rs` checks against.
 
-Run with the project venv (Pillow 13, transformers 5.24): `.venv/bin/python generate.py`.
+Run with the project venv (Pillow 13, transformers 5.24, torchvision 0.28): `.venv/bin/python generate.py`.
 """
 
 from pathlib import Path
@@ -77,6 +77,25 @@ def alpha_images() -> None:
         Image.open(path).convert("RGB").save(HERE / f"{stem}.drop.png")
 
 
+# Extra sizes for torchvision: a strong downscale, a 4x upscale, a single row.
+TORCHVISION_RESIZES = RESIZES + [(9, 5), (292, 164), (73, 1)]
+
+
+def torchvision_resizes() -> None:
+    """What torchvision's `resize(BICUBIC, antialias=True)` makes of src.png as a uint8 CHW tensor:
+    the resize of transformers' torchvision image processor (torch's native uint8 kernel on CPU)."""
+    import torch
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    src = torch.from_numpy(np.array(Image.open(HERE / "src.png").convert("RGB"))).permute(2, 0, 1)
+    for width, height in TORCHVISION_RESIZES:
+        out = F.resize(src, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+        assert out.dtype == torch.uint8
+        Image.fromarray(out.permute(1, 2, 0).numpy()).save(HERE / f"src_tv_to_{width}x{height}.png")
+
+
 if __name__ == "__main__":
     main()
     alpha_images()
+    torchvision_resizes()
