@@ -69,12 +69,39 @@ def alpha_images() -> None:
             image.save(path, transparency=image.info["transparency"])
         else:
             image.save(path)
-        opened = Image.open(path)
-        stem = name.replace(".", "_")
-        convert_to_rgb(opened).save(HERE / f"{stem}.white.png")
-        background = Image.new("RGBA", opened.size, ALPHA_BACKGROUND + (255,))
-        Image.alpha_composite(background, opened.convert("RGBA")).convert("RGB").save(HERE / f"{stem}.green.png")
-        Image.open(path).convert("RGB").save(HERE / f"{stem}.drop.png")
+        write_expectations(name, convert_to_rgb)
+    # 16 bits per channel (Pillow cannot write these): random low bytes, which Pillow drops.
+    wide = np.random.RandomState(4)
+    write_png16(HERE / "alpha_rgba16.png", wide.randint(0, 65536, (19, 29, 4)).astype(np.uint16), color_type=6)
+    write_png16(HERE / "alpha_la16.png", wide.randint(0, 65536, (19, 29, 2)).astype(np.uint16), color_type=4)
+    for name in ["alpha_rgba16.png", "alpha_la16.png"]:
+        write_expectations(name, convert_to_rgb)
+
+
+def write_expectations(name: str, convert_to_rgb) -> None:
+    path = HERE / name
+    opened = Image.open(path)
+    stem = name.replace(".", "_")
+    convert_to_rgb(opened).save(HERE / f"{stem}.white.png")
+    background = Image.new("RGBA", opened.size, ALPHA_BACKGROUND + (255,))
+    Image.alpha_composite(background, opened.convert("RGBA")).convert("RGB").save(HERE / f"{stem}.green.png")
+    Image.open(path).convert("RGB").save(HERE / f"{stem}.drop.png")
+
+
+def write_png16(path: Path, array: np.ndarray, color_type: int) -> None:
+    """A 16-bit PNG (color type 6 = RGBA, 4 = grey + alpha), written chunk by chunk."""
+    import struct
+    import zlib
+
+    height, width = array.shape[:2]
+    rows = b"".join(b"\x00" + array[y].astype(">u2").tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    path.write_bytes(png)
 
 
 # Extra sizes for torchvision: a strong downscale, a 4x upscale, a single row.
