@@ -74,6 +74,22 @@ pub struct Request {
     pub mode: pb::DecodingMode,
     /// 0: the server's default.
     pub tree_budget: u32,
+    /// Greedy by default.
+    pub sampling: Sampling,
+}
+
+/// The sampling options of a request (see `DecodingOptions` in `glance.v1`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// 0: all tokens.
+    pub top_k: u32,
+    /// None: 1, all tokens.
+    pub top_p: Option<f32>,
+    pub min_p: f32,
+    /// None: the server picks one (and returns it).
+    pub seed: Option<u64>,
 }
 
 impl Request {
@@ -114,6 +130,11 @@ impl Request {
             decoding: Some(pb::DecodingOptions {
                 mode: self.mode as i32,
                 tree_budget: self.tree_budget,
+                temperature: self.sampling.temperature,
+                top_k: self.sampling.top_k,
+                top_p: self.sampling.top_p,
+                min_p: self.sampling.min_p,
+                seed: self.sampling.seed,
                 ..Default::default()
             }),
         }

@@ -89,7 +89,7 @@ pub fn request(prompt: &SuitePrompt, mode: pb::DecodingMode, tree_budget: u32) -
             tree_budget,
             branch_k: 0,
             ignore_eos: prompt.ignore_eos,
-            log_rounds: false,
+            ..Default::default()
         }),
     }
 }

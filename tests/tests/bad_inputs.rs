@@ -54,6 +54,10 @@ fn with_decoding(decoding: pb::DecodingOptions) -> pb::GenerateRequest {
     pb::GenerateRequest { decoding: Some(decoding), ..request(hi(), 8) }
 }
 
+fn sampling(temperature: f32, top_k: u32, top_p: Option<f32>, min_p: f32) -> pb::GenerateRequest {
+    with_decoding(pb::DecodingOptions { temperature, top_k, top_p, min_p, ..Default::default() })
+}
+
 fn with_role(role: &str) -> pb::GenerateRequest {
     request(
         vec![pb::ChatMessage {
@@ -224,6 +228,28 @@ fn table(good_png: &[u8], text_limit: usize) -> Vec<BadInput> {
             InvalidArgument,
             "decoding.branch_k: must be 1 to 64",
         ),
+        // sampling
+        row("a negative temperature", sampling(-0.5, 0, None, 0.0), InvalidArgument, "decoding.temperature"),
+        row("a NaN temperature", sampling(f32::NAN, 0, None, 0.0), InvalidArgument, "decoding.temperature"),
+        row(
+            "top_k past the vocabulary",
+            sampling(1.0, 1_000_000, None, 0.0),
+            InvalidArgument,
+            "decoding.top_k",
+        ),
+        row(
+            "top_p of 0",
+            sampling(1.0, 0, Some(0.0), 0.0),
+            InvalidArgument,
+            "decoding.top_p: must be in (0, 1]",
+        ),
+        row("top_p over 1", sampling(1.0, 0, Some(1.5), 0.0), InvalidArgument, "decoding.top_p"),
+        row(
+            "min_p over 1",
+            sampling(1.0, 0, None, 2.0),
+            InvalidArgument,
+            "decoding.min_p: must be in [0, 1]",
+        ),
         // the request as a whole
         row(
             "a request past the transport's limit",
@@ -281,7 +307,7 @@ async fn every_bad_field_gets_its_status_and_the_server_keeps_serving() {
     let expected: Vec<u32> = case.greedy_tokens[..8].iter().map(|&t| t as u32).collect();
 
     let rows = table(&good_png, text_limit);
-    assert!(rows.len() >= 25, "the table lost rows");
+    assert!(rows.len() >= 31, "the table lost rows");
     for BadInput { what, request, code, needle } in rows {
         let unary = client.generate(request.clone()).await.expect_err(what);
         check(what, "unary", &unary, code, &needle);

@@ -18,6 +18,7 @@ use drafter_svc::engines::BlockHeadEngine;
 use glance_device::{crossings, Crossings};
 use glance_input::{PromptBuilder, PromptOptions};
 use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
+use glance_models::sampling::Sampling;
 use glance_models::TargetModel;
 use glance_spec::session::{DraftEngine, RoundInput, Session};
 use glance_toyworld::{sample, Split, Task};
@@ -134,7 +135,7 @@ fn a_round_crosses_the_host_device_boundary_as_counted() {
     };
     let prompts = PromptBuilder::from_model_dir(&target, PromptOptions::default()).expect("prompts");
     let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &[], context_limit: 4096 };
-    let spec = SpecParams { budget: 15, branch_k: 4, log_rounds: false };
+    let spec = SpecParams { budget: 15, branch_k: 4, log_rounds: false, sampling: Sampling::GREEDY };
     for task in [Task::Chart, Task::Doc] {
         let inputs = prompts.build(&sample(Split::HeldOut, task, 0, 3).messages()).unwrap().model_inputs();
         let greedy = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).unwrap();

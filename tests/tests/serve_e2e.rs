@@ -18,6 +18,46 @@ async fn connect(url: &str) -> GenerationClient<Channel> {
     GenerationClient::connect(url.to_string()).await.expect("connect")
 }
 
+/// Sampled requests through the service: a request without a seed gets one back, and repeating
+/// it with that seed repeats the tokens, unary or streamed, autoregressive or prompt lookup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_requests_return_their_seed_and_repeat_with_it() {
+    let Some(root) = fixtures() else { return };
+    let dir = root.join("tiny-qwen3-vl");
+    let server = ServiceProcess::verifier(&dir, &[]);
+    let mut client = connect(&server.url).await;
+    let case = Case::load(&dir, "one_image");
+    let sampled = |mode: pb::DecodingMode, seed: Option<u64>| pb::GenerateRequest {
+        decoding: Some(pb::DecodingOptions {
+            mode: mode as i32,
+            temperature: 0.8,
+            top_k: 40,
+            seed,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..request(glance_tests::suite::to_proto(&case.chat_messages()), 24)
+    };
+    let first = client.generate(sampled(pb::DecodingMode::Autoregressive, None)).await.unwrap().into_inner();
+    let seed = first.seed.expect("a sampled response carries its seed");
+    let greedy: Vec<u32> = case.greedy_tokens[..24].iter().map(|&t| t as u32).collect();
+    assert_ne!(first.token_ids, greedy, "temperature 0.8 gave the greedy tokens");
+    for mode in [pb::DecodingMode::Autoregressive, pb::DecodingMode::PromptLookup] {
+        let again = client.generate(sampled(mode, Some(seed))).await.unwrap().into_inner();
+        assert_eq!((again.token_ids, again.seed), (first.token_ids.clone(), Some(seed)), "{mode:?}");
+        let mut stream = client.generate_stream(sampled(mode, Some(seed))).await.unwrap().into_inner();
+        let (mut ids, mut last_seed) = (Vec::new(), None);
+        while let Some(chunk) = stream.message().await.unwrap() {
+            ids.extend(chunk.token_ids);
+            last_seed = last_seed.or(chunk.seed);
+        }
+        assert_eq!((ids, last_seed), (first.token_ids.clone(), Some(seed)), "{mode:?} streamed");
+    }
+    let greedy_response =
+        client.generate(request(glance_tests::suite::to_proto(&case.chat_messages()), 4)).await;
+    assert_eq!(greedy_response.unwrap().into_inner().seed, None, "a greedy response has no seed");
+}
+
 /// `--image-backend` picks the transformers image processor the pixels reproduce: by default the
 /// torchvision one, on request the PIL one; each serves its reference case's greedy tokens (the
 /// pixels themselves are compared in `common/input/tests/input_parity.rs`).
@@ -32,6 +72,7 @@ async fn the_image_backend_flag_picks_the_processor() {
         let mut client = connect(&server.url).await;
         let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
         assert_eq!(info.image_backend, backend);
+        assert_eq!(info.sampling_options, ["temperature", "top_k", "top_p", "min_p", "seed"]);
         let case = Case::load(&dir, case);
         assert_eq!(glance_tests::image_backend_of(&case.image_processor_class).name(), backend);
         let request = pb::GenerateRequest {

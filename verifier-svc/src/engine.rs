@@ -10,9 +10,8 @@ use std::sync::Arc;
 use std::thread;
 
 use glance_input::{Prompt, PromptBuilder};
-use glance_models::decode::{
-    greedy_generate, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
-};
+use glance_models::decode::{generate, FinishKind, Generation, GreedyParams, ModelInputs, StepControl};
+use glance_models::sampling::Sampling;
 use glance_models::TargetModel;
 use glance_spec::session::DraftEngine;
 use tokio::sync::mpsc;
@@ -25,7 +24,8 @@ use crate::policy::{RoundPolicy, VerifyCost};
 use crate::speculative::{speculative_generate, DraftProvider, SpecParams, SpecStats};
 use crate::stop::TextAssembler;
 
-/// How one request is decoded. Every choice yields the greedy tokens.
+/// How one request is decoded. Every choice yields the tokens of autoregressive decoding: the
+/// greedy ones, or with sampling the same draws.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decoding {
     Autoregressive,
@@ -52,6 +52,8 @@ pub struct Job {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub decoding: Decoding,
+    /// Greedy, or the draws' settings and seed.
+    pub sampling: Sampling,
     /// Log each speculative round's root entropy and accepted count.
     pub log_rounds: bool,
     pub events: mpsc::Sender<Event>,
@@ -83,6 +85,8 @@ pub struct Summary {
     pub decode_ms: f64,
     /// Present for speculative modes.
     pub speculative: Option<(Decoding, SpecParams, SpecStats)>,
+    /// The draws' seed, when sampling.
+    pub seed: Option<u64>,
 }
 
 /// Limits the engine enforces on every request.
@@ -250,7 +254,7 @@ impl Worker {
             }
         };
         let (generation, speculative) =
-            self.decode(&inputs, &params, job.decoding, job.log_rounds, on_token)?;
+            self.decode(&inputs, &params, job.decoding, job.sampling, job.log_rounds, on_token)?;
         if job.events.is_closed() && !stop_string {
             return Err(VerifierError::Cancelled);
         }
@@ -273,6 +277,7 @@ impl Worker {
             prefill_ms: generation.prefill_time.as_secs_f64() * 1e3,
             decode_ms: generation.decode_time.as_secs_f64() * 1e3,
             speculative,
+            seed: (!job.sampling.is_greedy()).then_some(job.sampling.seed),
         })
     }
 
@@ -283,29 +288,27 @@ impl Worker {
         inputs: &ModelInputs,
         params: &GreedyParams,
         decoding: Decoding,
+        sampling: Sampling,
         log_rounds: bool,
         on_token: impl FnMut(i64) -> StepControl,
     ) -> Result<(Generation, Option<(Decoding, SpecParams, SpecStats)>), VerifierError> {
+        let spec = |budget, branch_k| SpecParams { budget, branch_k, log_rounds, sampling };
         let (mut provider, spec): (Box<dyn DraftProvider>, SpecParams) = match decoding {
             Decoding::Autoregressive => {
-                return Ok((greedy_generate(&self.model.0, inputs, params, on_token)?, None))
+                return Ok((generate(&self.model.0, inputs, params, &sampling, on_token)?, None))
             }
-            Decoding::Tree { budget, branch_k } => {
-                (self.remote()?, SpecParams { budget, branch_k, log_rounds })
-            }
+            Decoding::Tree { budget, branch_k } => (self.remote()?, spec(budget, branch_k)),
             Decoding::Chain => {
                 let provider = self.remote()?;
                 let depth = provider.max_depth();
-                (provider, SpecParams { budget: depth, branch_k: 1, log_rounds })
+                (provider, spec(depth, 1))
             }
             Decoding::PromptLookup => {
                 let provider = LocalProvider::new(Arc::clone(&self.drafting.prompt_lookup));
                 let depth = provider.max_depth();
-                (Box::new(provider), SpecParams { budget: depth, branch_k: 1, log_rounds })
+                (Box::new(provider), spec(depth, 1))
             }
-            Decoding::Auto { budget, branch_k } => {
-                (self.remote()?, SpecParams { budget, branch_k, log_rounds })
-            }
+            Decoding::Auto { budget, branch_k } => (self.remote()?, spec(budget, branch_k)),
         };
         let mut policy = matches!(decoding, Decoding::Auto { .. }).then(|| self.policy());
         let (generation, stats) = speculative_generate(

@@ -214,6 +214,7 @@ fn model_info(
         } else {
             String::new()
         },
+        sampling_options: ["temperature", "top_k", "top_p", "min_p", "seed"].map(String::from).to_vec(),
     }
 }
 

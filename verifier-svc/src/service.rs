@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use glance_input::{ChatMessage, ContentPart};
 use glance_models::decode::FinishKind;
+use glance_models::sampling::Sampling;
 use glance_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -70,6 +71,7 @@ impl GenerationService {
         let ignore_eos = request.decoding.as_ref().is_some_and(|d| d.ignore_eos);
         let log_rounds = request.decoding.as_ref().is_some_and(|d| d.log_rounds);
         let decoding = decoding(request.decoding.as_ref(), &self.defaults)?;
+        let sampling = sampling(request.decoding.as_ref(), self.info.vocab_size as usize)?;
         let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
         let admission = self.engine.admit()?;
         let prompts = Arc::clone(&self.engine.prompts);
@@ -94,6 +96,7 @@ impl GenerationService {
             stop,
             ignore_eos,
             decoding,
+            sampling,
             log_rounds,
             events,
             admission,
@@ -126,6 +129,7 @@ impl GenerationService {
                     response.usage = Some(usage(&summary));
                     response.timings = Some(timings(&summary));
                     response.speculative = speculative_stats(&summary);
+                    response.seed = summary.seed;
                     return Ok(response);
                 }
                 Event::Failed(e) => return Err(e.into()),
@@ -141,6 +145,7 @@ fn last_chunk(summary: &Summary) -> pb::GenerateStreamChunk {
         usage: Some(usage(summary)),
         timings: Some(timings(summary)),
         speculative: speculative_stats(summary),
+        seed: summary.seed,
         ..Default::default()
     }
 }
@@ -409,6 +414,48 @@ fn decoding(
 }
 
 const MAX_BRANCH_K: usize = 64;
+/// Below this temperature a request decodes greedily (the logits divided by it would overflow).
+const MIN_TEMPERATURE: f64 = 1e-5;
+
+/// The request's sampling settings: greedy at temperature 0, else each option checked, naming
+/// the field, and a seed drawn for it when it brought none.
+fn sampling(options: Option<&pb::DecodingOptions>, vocab: usize) -> Result<Sampling, VerifierError> {
+    let options = options.cloned().unwrap_or_default();
+    let temperature = f64::from(options.temperature);
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(VerifierError::invalid("decoding.temperature", "must be 0 (greedy) or positive"));
+    }
+    if temperature < MIN_TEMPERATURE {
+        return Ok(Sampling::GREEDY);
+    }
+    let top_k = options.top_k as usize;
+    if top_k > vocab {
+        return Err(VerifierError::invalid(
+            "decoding.top_k",
+            format!("must be 0 (all) to {vocab}, the vocabulary"),
+        ));
+    }
+    let top_p = options.top_p.map_or(1.0, f64::from);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(VerifierError::invalid("decoding.top_p", "must be in (0, 1]"));
+    }
+    let min_p = f64::from(options.min_p);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(VerifierError::invalid("decoding.min_p", "must be in [0, 1]"));
+    }
+    let seed = options.seed.unwrap_or_else(fresh_seed);
+    Ok(Sampling { temperature, top_k, top_p, min_p, seed })
+}
+
+/// A seed no earlier request is likely to have had: the process's random hasher keys and the clock.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos(),
+    );
+    hasher.finish()
+}
 
 /// Server-side defaults and bounds for the decoding options.
 #[derive(Clone, Debug)]
@@ -522,6 +569,26 @@ mod fuzz {
             .prop_map(|part| pb::ContentPart { part })
     }
 
+    /// Temperatures, filters and seeds: plausible values, edges and any bits (NaN, infinities).
+    fn sampling_options() -> impl Strategy<Value = pb::DecodingOptions> {
+        let unit = prop_oneof![0.0f32..=1.0, Just(0.0), Just(1.0), any::<f32>()];
+        (
+            prop_oneof![0.0f32..3.0, Just(0.0), any::<f32>()],
+            prop_oneof![0u32..2000, any::<u32>()],
+            prop::option::of(unit.clone()),
+            unit,
+            any::<Option<u64>>(),
+        )
+            .prop_map(|(temperature, top_k, top_p, min_p, seed)| pb::DecodingOptions {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                seed,
+                ..Default::default()
+            })
+    }
+
     fn request() -> impl Strategy<Value = pb::GenerateRequest> {
         let message = (any::<String>(), prop::collection::vec(part(), 0..4))
             .prop_map(|(role, content)| pb::ChatMessage { role, content });
@@ -531,13 +598,17 @@ mod fuzz {
             prop_oneof![0u32..20, any::<u32>()],
             any::<bool>(),
             any::<bool>(),
+            sampling_options(),
         )
-            .prop_map(|(mode, tree_budget, branch_k, ignore_eos, log_rounds)| pb::DecodingOptions {
-                mode: mode.rem_euclid(8),
-                tree_budget,
-                branch_k,
-                ignore_eos,
-                log_rounds,
+            .prop_map(|(mode, tree_budget, branch_k, ignore_eos, log_rounds, sampling)| {
+                pb::DecodingOptions {
+                    mode: mode.rem_euclid(8),
+                    tree_budget,
+                    branch_k,
+                    ignore_eos,
+                    log_rounds,
+                    ..sampling
+                }
             });
         (
             prop::collection::vec(message, 0..4),
@@ -568,6 +639,17 @@ mod fuzz {
             let options = request.decoding;
             if let Err(e) = decoding(options.as_ref(), &defaults) {
                 prop_assert!(e.to_string().starts_with("decoding."), "names the field: {e}");
+            }
+            match sampling(options.as_ref(), 1000) {
+                Ok(s) if !s.is_greedy() => {
+                    prop_assert!(s.temperature.is_finite() && s.temperature >= MIN_TEMPERATURE);
+                    prop_assert!(s.top_k <= 1000 && s.top_p > 0.0 && s.top_p <= 1.0 && (0.0..=1.0).contains(&s.min_p));
+                    if let Some(seed) = options.as_ref().and_then(|o| o.seed) {
+                        prop_assert_eq!(s.seed, seed);
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => prop_assert!(e.to_string().starts_with("decoding."), "names the field: {e}"),
             }
             match validate(request, &LIMITS) {
                 Ok((messages, max_new_tokens, stop)) => {

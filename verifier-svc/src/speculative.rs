@@ -15,6 +15,7 @@ use glance_models::decode::{
     prefill_with_taps, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
 };
 use glance_models::kv_cache::KvCache;
+use glance_models::sampling::{Draw, Sampling};
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
 use tch::{Kind, Tensor};
@@ -103,6 +104,8 @@ pub struct SpecParams {
     pub branch_k: usize,
     /// Record each drafted round's root entropy and accepted count.
     pub log_rounds: bool,
+    /// How each committed token is chosen (greedy, or drawn: see `glance_models::sampling`).
+    pub sampling: Sampling,
 }
 
 /// One drafted round, for the entropy law.
@@ -247,9 +250,11 @@ impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
     }
 }
 
-/// Speculative generation. Produces exactly the tokens of [`glance_models::decode::greedy_generate`].
-/// With a `policy` (auto mode) each round may be a greedy step or verify only a best-first prefix
-/// of the tree; what is committed is the target's own argmax either way.
+/// Speculative generation. Produces exactly the tokens of [`glance_models::decode::generate`] with
+/// the same sampling: the greedy tokens, or with a temperature the same draws (each generated
+/// index has its own uniform, whichever pass draws it). With a `policy` (auto mode) each round
+/// may be a greedy step or verify only a best-first prefix of the tree; what is committed is the
+/// target's own choice either way.
 pub fn speculative_generate(
     model: &TargetModel,
     inputs: &ModelInputs,
@@ -283,7 +288,10 @@ pub fn speculative_generate(
     // The prompt's tap states come down with the root's read-back: one host sync.
     let prompt_states = prompt_states.as_ref().map(glance_models::stage_to_host);
     // The root and, for the policy, the target's entropy there (what it predicts a round from).
-    let read = read_back(&logits, policy.is_some()); // the last row's (1, vocab) logits
+    let first = Draw { sampling: spec.sampling, index: 0 };
+    let numerators = upload_numerators(&first, model.device());
+    // the last row's (1, vocab) logits
+    let read = read_back(&logits, &spec.sampling, numerators.as_ref(), policy.is_some());
     history.push(&inputs.input_ids, prompt_states.as_ref());
     let mut root = read[0] as i64;
     let mut root_entropy = read.get(1).map(|&e| f64::from(e));
@@ -340,6 +348,8 @@ pub fn speculative_generate(
         let drafted = round.is_some();
         let rows = 1 + round.as_ref().map_or(0, Tree::len);
         let round_entropy = policy.is_some();
+        // The root row draws the next generated token.
+        let draw = Draw { sampling: spec.sampling, index: committer.tokens.len() as u64 };
         let (committed, tap_rows, next_entropy) = match round {
             Some(tree) => {
                 stats.draft_tokens += tree.tokens.len();
@@ -353,6 +363,7 @@ pub fn speculative_generate(
                     &tree,
                     &taps,
                     entropies,
+                    draw,
                 )?;
                 // committed = [root, accepted…, bonus]: this round committed all but the root.
                 let accepted = verified.path.len();
@@ -375,7 +386,7 @@ pub fn speculative_generate(
                     stats.fallback_rounds += 1;
                 }
                 let with_entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
-                greedy_step(model, &mut cache, inputs.rope_delta, root, &taps, with_entropy)?
+                plain_step(model, &mut cache, inputs.rope_delta, root, &taps, with_entropy, draw)?
             }
         };
         let verify_time = verify_started.elapsed();
@@ -745,9 +756,11 @@ pub struct Entropies {
 }
 
 /// One target pass over root + tree, the acceptance walk and the KV compaction (`bench_round`
-/// times it as the verify cost). One host upload (ids, positions and the pack's visibility) that
-/// does not block, and one host sync: every row's tap states are staged to the host, then every
-/// row's argmax (and entropy when asked) is read back, which waits for both.
+/// times it as the verify cost). One host upload (ids, positions, the pack's visibility and, when
+/// sampling, each row's uniform) that does not block, and one host sync: every row's tap states
+/// are staged to the host, then every row's choice (and entropy when asked) is read back, which
+/// waits for both. The walk follows, from the root, the child holding the row's choice: the
+/// argmax, or the token drawn from the target's processed distribution at that node.
 #[allow(clippy::too_many_arguments)]
 pub fn verify_round(
     model: &TargetModel,
@@ -758,6 +771,7 @@ pub fn verify_round(
     tree: &Tree,
     taps: &[usize],
     entropies: Entropies,
+    draw: Draw,
 ) -> Result<Verified, ModelError> {
     let start = cache.len();
     let device = model.device();
@@ -770,12 +784,14 @@ pub fn verify_round(
                 .map(|d| start as i64 + d + rope_delta),
         )
         .chain(tree.ancestor_visibility().iter().map(|&v| i64::from(!v)))
+        .chain(draw.numerators(std::iter::once(0).chain(tree.depths.iter().map(|&d| d as usize))))
         .collect();
     let uploaded = glance_models::upload(&host, device);
     let n64 = n as i64;
     let ids = uploaded.narrow(0, 0, n64);
     let positions = uploaded.narrow(0, n64, n64).view([1, n64]).expand([3, n64], false);
     let blocked = uploaded.narrow(0, 2 * n64, n64 * n64).view([n64, n64]).eq(1);
+    let numerators = (!draw.sampling.is_greedy()).then(|| uploaded.narrow(0, 2 * n64 + n64 * n64, n64));
     let mask = mask.for_pack(start, &blocked)?;
     let step = StepInput {
         token_ids: &ids,
@@ -788,7 +804,7 @@ pub fn verify_round(
     let out = model.forward(&step, cache)?;
     let logits = out.logits.expect("logits were requested");
     let staged = stage_taps(&out.taps);
-    let read = read_back(&logits, entropies.root || entropies.next);
+    let read = read_back(&logits, &draw.sampling, numerators.as_ref(), entropies.root || entropies.next);
     let choices: Vec<TokenId> = read[..n].iter().map(|&c| c as TokenId).collect();
     let (path, bonus) = tree.accepted_path(&choices);
     let bonus_row = path.last().map_or(0, |&i| i + 1);
@@ -810,10 +826,11 @@ fn stage_taps(taps: &[Tensor]) -> Vec<Tensor> {
     taps.iter().map(glance_models::stage_to_host).collect()
 }
 
-/// Every row's argmax and, with `entropy`, then every row's entropy (nats, f32): one host copy.
-/// (Token ids are exact in f32 below 2^24.)
-fn read_back(logits: &Tensor, entropy: bool) -> Vec<f32> {
-    let choices = logits.argmax(-1, false).to_kind(Kind::Float);
+/// Every row's choice (the argmax, or the draw with `numerators`' uniforms) and, with `entropy`,
+/// then every row's entropy (nats, f32, of the raw logits): one host copy. (Token ids are exact
+/// in f32 below 2^24.)
+fn read_back(logits: &Tensor, sampling: &Sampling, numerators: Option<&Tensor>, entropy: bool) -> Vec<f32> {
+    let choices = glance_models::sampling::choose(logits, sampling, numerators).to_kind(Kind::Float);
     let packed = if entropy { Tensor::cat(&[choices, entropies_nats(logits)], 0) } else { choices };
     Vec::<f32>::try_from(glance_models::read_back(&packed)).expect("a 1-D f32 tensor")
 }
@@ -828,19 +845,28 @@ fn entropies_nats(logits: &Tensor) -> Tensor {
 /// target's entropy at `next`.
 type Step = (Vec<i64>, TapRows, Option<f32>);
 
-/// One plain greedy step (no drafter): forward the root, keep its tap states.
-fn greedy_step(
+/// The uniform of a single row drawing `draw`'s index, on `device`; none when greedy.
+fn upload_numerators(draw: &Draw, device: tch::Device) -> Option<Tensor> {
+    let numerators = draw.numerators([0]);
+    (!numerators.is_empty()).then(|| glance_models::upload(&numerators, device))
+}
+
+/// One plain step (no drafter): forward the root, keep its tap states; the next token is the
+/// argmax or `draw`'s.
+fn plain_step(
     model: &TargetModel,
     cache: &mut KvCache,
     rope_delta: i64,
     root: i64,
     taps: &[usize],
     with_entropy: bool,
+    draw: Draw,
 ) -> Result<Step, ModelError> {
+    let numerators = upload_numerators(&draw, model.device());
     let out = glance_models::decode::forward_token(model, cache, root, rope_delta, taps)?;
     let logits = out.logits.as_ref().expect("logits were requested");
     let staged = stage_taps(&out.taps);
-    let read = read_back(logits, with_entropy);
+    let read = read_back(logits, &draw.sampling, numerators.as_ref(), with_entropy);
     let entropy = read.get(1).copied();
     Ok((vec![root, read[0] as i64], TapRows { taps: staged, keep: vec![0] }, entropy))
 }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use glance_client::v1 as pb;
 use glance_client::v1::generation_client::GenerationClient;
-use glance_client::{decode_ms_per_token, Mode, Request};
+use glance_client::{decode_ms_per_token, Mode, Request, Sampling};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -31,7 +31,7 @@ enum Command {
     Info,
 }
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct GenerateArgs {
     /// The user's text.
     #[arg(long)]
@@ -52,6 +52,21 @@ struct GenerateArgs {
     /// Tree budget (0: the server's default).
     #[arg(long, default_value_t = 0)]
     tree_budget: u32,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample from the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Sample from the most likely tokens holding this much probability (default 1: all).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than this times the most likely one (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Seed of the draws (default: the server's pick, printed; `compare` picks one for both runs).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Print the response as JSON (token ids included).
     #[arg(long)]
     json: bool,
@@ -105,6 +120,7 @@ async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> 
             last.usage = chunk.usage;
             last.timings = chunk.timings;
             last.speculative = chunk.speculative;
+            last.seed = chunk.seed;
         }
     }
     println!();
@@ -118,6 +134,8 @@ async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) ->
     let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Auto } else { args.mode };
     let started = Instant::now();
     let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();
+    // Sampled: the same seed for both, so the same tokens are expected.
+    let args = &GenerateArgs { seed: args.seed.or(ar.seed), ..args.clone() };
     let spec = client.generate(build_request(args, mode)?).await?.into_inner();
     println!("{}", spec.text);
     print_summary(&spec, started);
@@ -125,12 +143,12 @@ async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) ->
     let (ar_ms, spec_ms) = (decode_ms_per_token(&ar), decode_ms_per_token(&spec));
     let tau = spec.speculative.map(|s| s.mean_accepted_length).unwrap_or(1.0);
     println!(
-        "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to greedy: {identical}",
+        "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to autoregressive: {identical}",
         pb::DecodingMode::from(mode).as_str_name(),
         ar_ms / spec_ms
     );
     if !identical {
-        return Err("speculative output differs from greedy decoding".into());
+        return Err("speculative output differs from autoregressive decoding".into());
     }
     Ok(())
 }
@@ -144,6 +162,13 @@ fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest,
         stop: args.stop.clone(),
         mode: mode.into(),
         tree_budget: args.tree_budget,
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            seed: args.seed,
+        },
     };
     Ok(request.with_image_files(&args.images)?.to_proto())
 }
@@ -162,6 +187,9 @@ fn print_summary(response: &pb::GenerateResponse, started: Instant) {
         timings.decode_tokens_per_second,
         started.elapsed().as_secs_f64() * 1e3
     );
+    if let Some(seed) = response.seed {
+        println!("-- sampled with seed {seed}");
+    }
     if let Some(s) = &response.speculative {
         println!(
             "-- {} | rounds {} | tau {:.2} | draft {:.1} ms, hop {:.1} ms, verify {:.1} ms | {} fallback rounds",

@@ -1,11 +1,12 @@
-//! Greedy decoding: prefill, then one target forward per token. This is the reference that every
-//! speculative mode must reproduce token for token, and the generator drafter training uses to
-//! regenerate responses.
+//! Autoregressive decoding: prefill, then one target forward per token, greedy or sampled. This is
+//! the reference that every speculative mode must reproduce token for token, and (greedy) the
+//! generator drafter training uses to regenerate responses.
 
 use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
+use crate::sampling::Sampling;
 use crate::{LogitRows, ModelError, StepInput, TargetModel};
 
 /// Everything a forward pass needs about a prompt, already tokenized and preprocessed.
@@ -83,6 +84,19 @@ pub fn greedy_generate(
     model: &TargetModel,
     inputs: &ModelInputs,
     params: &GreedyParams,
+    on_token: impl FnMut(i64) -> StepControl,
+) -> Result<Generation, ModelError> {
+    generate(model, inputs, params, &Sampling::GREEDY, on_token)
+}
+
+/// Autoregressive decoding, greedy or sampled: generated token `i` is the argmax, or the draw
+/// with `sampling`'s uniform of index `i` (see [`crate::sampling`]). `on_token` sees each new
+/// token as soon as it is chosen.
+pub fn generate(
+    model: &TargetModel,
+    inputs: &ModelInputs,
+    params: &GreedyParams,
+    sampling: &Sampling,
     mut on_token: impl FnMut(i64) -> StepControl,
 ) -> Result<Generation, ModelError> {
     let _no_grad = tch::no_grad_guard();
@@ -93,7 +107,7 @@ pub fn greedy_generate(
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let logits = prefill(model, inputs, &mut cache)?;
     drop(prefill_span);
-    let mut next = argmax_last(&logits);
+    let mut next = choose_last(&logits, sampling, 0);
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut tokens = Vec::with_capacity(params.max_new_tokens);
@@ -112,7 +126,8 @@ pub fn greedy_generate(
             break FinishKind::Context;
         }
         let out = forward_token(model, &mut cache, next, inputs.rope_delta, &[])?;
-        next = argmax_last(out.logits.as_ref().expect("logits were requested"));
+        next =
+            choose_last(out.logits.as_ref().expect("logits were requested"), sampling, tokens.len() as u64);
     };
     Ok(Generation { tokens, finish, prefill_time, decode_time: decode_started.elapsed() })
 }
@@ -225,6 +240,18 @@ pub fn teacher_forced(
 }
 
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
+/// The token chosen from the last row of `logits`: its argmax, or the draw of generated index
+/// `index` (one upload of its uniform, one read-back).
+pub fn choose_last(logits: &Tensor, sampling: &Sampling, index: u64) -> i64 {
+    if sampling.is_greedy() {
+        return argmax_last(logits);
+    }
+    let rows = logits.size()[0];
+    let numerator = crate::upload(&[sampling.uniform_numerator(index)], logits.device());
+    let chosen = crate::sampling::choose(&logits.narrow(0, rows - 1, 1), sampling, Some(&numerator));
+    crate::read_back(&chosen).int64_value(&[0])
+}
+
 pub fn argmax_last(logits: &Tensor) -> i64 {
     let rows = logits.size()[0];
     crate::read_back(&logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false)).int64_value(&[])

@@ -2,7 +2,7 @@
 //! Qwen2.5-VL, the text-only Llama and Qwen3; one file per family, the shared language model in
 //! `text`), loaded unchanged from
 //! Hugging Face model directories with their typed `config.json` (`config`), checkpoint reading
-//! (`weights`), the preallocated KV cache and greedy decoding (`decode`).
+//! (`weights`), the preallocated KV cache, greedy decoding (`decode`) and the sampler (`sampling`).
 
 pub mod config;
 pub mod decode;
@@ -12,6 +12,7 @@ pub mod llama;
 pub mod qwen2_5_vl;
 pub mod qwen3;
 pub mod qwen3_vl;
+pub mod sampling;
 pub mod text;
 pub mod weights;
 

@@ -20,6 +20,7 @@ use clap::{Parser, ValueEnum};
 use drafter_svc::engines::BlockHeadEngine;
 use drafter_svc::head::{DraftHead, DraftHeadConfig};
 use glance_models::kv_cache::KvCache;
+use glance_models::sampling::Draw;
 use glance_models::weights::{Checkpoint, RandomInit};
 use glance_models::{TargetConfig, TargetModel};
 use glance_spec::session::{DraftEngine, RoundInput, Session};
@@ -303,7 +304,8 @@ fn verify(
     context: usize,
 ) {
     let entropies = Entropies { root: false, next: true };
-    let verified = verify_round(model, cache, mask, 0, 1, tree, taps, entropies).expect("verify");
+    let verified =
+        verify_round(model, cache, mask, 0, 1, tree, taps, entropies, Draw::GREEDY).expect("verify");
     let rows = verified.tap_rows.len() as i64;
     verified.tap_rows.write_into(&states.narrow(0, 0, rows));
     cache.truncate(context);
