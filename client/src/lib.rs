@@ -71,6 +71,8 @@ pub struct Request {
     pub images: Vec<Vec<u8>>,
     pub max_new_tokens: u32,
     pub stop: Vec<String>,
+    /// Token ids that end the generation (finish reason STOP).
+    pub stop_token_ids: Vec<u32>,
     pub mode: pb::DecodingMode,
     /// 0: the server's default.
     pub tree_budget: u32,
@@ -135,6 +137,7 @@ impl Request {
                 top_p: self.sampling.top_p,
                 min_p: self.sampling.min_p,
                 seed: self.sampling.seed,
+                stop_token_ids: self.stop_token_ids.clone(),
                 ..Default::default()
             }),
         }

@@ -250,6 +250,18 @@ fn table(good_png: &[u8], text_limit: usize) -> Vec<BadInput> {
             InvalidArgument,
             "decoding.min_p: must be in [0, 1]",
         ),
+        row(
+            "a stop token id past the vocabulary",
+            with_decoding(pb::DecodingOptions { stop_token_ids: vec![5, 1_000_000], ..Default::default() }),
+            InvalidArgument,
+            "decoding.stop_token_ids[1]",
+        ),
+        row(
+            "17 stop token ids",
+            with_decoding(pb::DecodingOptions { stop_token_ids: vec![5; 17], ..Default::default() }),
+            InvalidArgument,
+            "decoding.stop_token_ids: at most 16",
+        ),
         // the request as a whole
         row(
             "a request past the transport's limit",
@@ -307,7 +319,7 @@ async fn every_bad_field_gets_its_status_and_the_server_keeps_serving() {
     let expected: Vec<u32> = case.greedy_tokens[..8].iter().map(|&t| t as u32).collect();
 
     let rows = table(&good_png, text_limit);
-    assert!(rows.len() >= 31, "the table lost rows");
+    assert!(rows.len() >= 36, "the table lost rows");
     for BadInput { what, request, code, needle } in rows {
         let unary = client.generate(request.clone()).await.expect_err(what);
         check(what, "unary", &unary, code, &needle);

@@ -58,6 +58,34 @@ async fn sampled_requests_return_their_seed_and_repeat_with_it() {
     assert_eq!(greedy_response.unwrap().into_inner().seed, None, "a greedy response has no seed");
 }
 
+/// A stop token id ends the generation at its first occurrence, as a stop: the greedy tokens up
+/// to and including it, finish reason STOP, with `ignore_eos` too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_token_id_ends_the_generation() {
+    let Some(root) = fixtures() else { return };
+    let dir = root.join("tiny-qwen3-vl");
+    let server = ServiceProcess::verifier(&dir, &[]);
+    let mut client = connect(&server.url).await;
+    let case = Case::load(&dir, "one_image");
+    let greedy: Vec<u32> = case.greedy_tokens.iter().map(|&t| t as u32).collect();
+    let stop = greedy[6];
+    let first = greedy.iter().position(|&t| t == stop).unwrap();
+    for mode in [pb::DecodingMode::Autoregressive, pb::DecodingMode::PromptLookup] {
+        let stopped = pb::GenerateRequest {
+            decoding: Some(pb::DecodingOptions {
+                mode: mode as i32,
+                stop_token_ids: vec![stop],
+                ignore_eos: true,
+                ..Default::default()
+            }),
+            ..request(glance_tests::suite::to_proto(&case.chat_messages()), 32)
+        };
+        let response = client.generate(stopped).await.unwrap().into_inner();
+        assert_eq!(response.token_ids, greedy[..=first], "{mode:?}");
+        assert_eq!(response.finish_reason, pb::FinishReason::Stop as i32, "{mode:?}");
+    }
+}
+
 /// `--image-backend` picks the transformers image processor the pixels reproduce: by default the
 /// torchvision one, on request the PIL one; each serves its reference case's greedy tokens (the
 /// pixels themselves are compared in `common/input/tests/input_parity.rs`).

@@ -50,6 +50,8 @@ pub struct Job {
     pub prompt: Prompt,
     pub max_new_tokens: usize,
     pub stop: Vec<String>,
+    /// Tokens that end the generation like end-of-sequence, reported as a stop.
+    pub stop_token_ids: Vec<i64>,
     pub ignore_eos: bool,
     pub decoding: Decoding,
     /// Greedy, or the draws' settings and seed.
@@ -75,6 +77,7 @@ pub enum Event {
 
 #[derive(Clone, Debug)]
 pub struct Summary {
+    /// `Stopped` for a stop string or a stop token id too.
     pub finish: FinishKind,
     /// True when the stop came from a stop string (rather than a cancelled client).
     pub stop_string: bool,
@@ -231,9 +234,11 @@ impl Worker {
         let detok = |ids: &[u32]| self.prompts.decode(ids, true).unwrap_or_default();
         let mut text = TextAssembler::new(detok, job.stop.clone());
         let mut stop_string = false;
+        let mut ending = if job.ignore_eos { Vec::new() } else { self.eos.clone() };
+        ending.extend(&job.stop_token_ids);
         let params = GreedyParams {
             max_new_tokens: job.max_new_tokens,
-            eos_token_ids: if job.ignore_eos { &[] } else { &self.eos },
+            eos_token_ids: &ending,
             context_limit: self.limits.context_window,
         };
         let mut last_token_at: Option<std::time::Instant> = None;
@@ -258,18 +263,23 @@ impl Worker {
         if job.events.is_closed() && !stop_string {
             return Err(VerifierError::Cancelled);
         }
-        if generation.finish == FinishKind::Eos {
-            // The end-of-sequence token is reported as a token but adds no text.
-            let eos_token = *generation.tokens.last().expect("EOS is a generated token") as u32;
-            let _ =
-                job.events.blocking_send(Event::Chunk { text: String::new(), token_ids: vec![eos_token] });
+        let mut finish = generation.finish;
+        if finish == FinishKind::Eos {
+            // The end-of-sequence (or stop) token is reported as a token but adds no text.
+            let eos_token = *generation.tokens.last().expect("EOS is a generated token");
+            let _ = job
+                .events
+                .blocking_send(Event::Chunk { text: String::new(), token_ids: vec![eos_token as u32] });
+            if job.stop_token_ids.contains(&eos_token) {
+                finish = FinishKind::Stopped;
+            }
         }
         let rest = text.finish();
         if !rest.is_empty() {
             let _ = job.events.blocking_send(Event::Chunk { text: rest, token_ids: Vec::new() });
         }
         Ok(Summary {
-            finish: generation.finish,
+            finish,
             stop_string,
             prompt_tokens: job.prompt.input_ids.len(),
             image_tokens: job.prompt.image_token_count,

@@ -72,6 +72,7 @@ impl GenerationService {
         let log_rounds = request.decoding.as_ref().is_some_and(|d| d.log_rounds);
         let decoding = decoding(request.decoding.as_ref(), &self.defaults)?;
         let sampling = sampling(request.decoding.as_ref(), self.info.vocab_size as usize)?;
+        let stop_token_ids = stop_token_ids(request.decoding.as_ref(), self.info.vocab_size as usize)?;
         let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
         let admission = self.engine.admit()?;
         let prompts = Arc::clone(&self.engine.prompts);
@@ -94,6 +95,7 @@ impl GenerationService {
             prompt,
             max_new_tokens,
             stop,
+            stop_token_ids,
             ignore_eos,
             decoding,
             sampling,
@@ -447,6 +449,27 @@ fn sampling(options: Option<&pb::DecodingOptions>, vocab: usize) -> Result<Sampl
     Ok(Sampling { temperature, top_k, top_p, min_p, seed })
 }
 
+/// Most stop token ids a request may carry.
+const MAX_STOP_TOKEN_IDS: usize = 16;
+
+/// The request's stop token ids, each checked against the vocabulary.
+fn stop_token_ids(options: Option<&pb::DecodingOptions>, vocab: usize) -> Result<Vec<i64>, VerifierError> {
+    let ids = options.map(|o| o.stop_token_ids.as_slice()).unwrap_or_default();
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(VerifierError::invalid(
+            "decoding.stop_token_ids",
+            format!("at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+        ));
+    }
+    if let Some(i) = ids.iter().position(|&id| id as usize >= vocab) {
+        return Err(VerifierError::invalid(
+            format!("decoding.stop_token_ids[{i}]"),
+            format!("{} is not below the vocabulary size {vocab}", ids[i]),
+        ));
+    }
+    Ok(ids.iter().map(|&id| i64::from(id)).collect())
+}
+
 /// A seed no earlier request is likely to have had: the process's random hasher keys and the clock.
 fn fresh_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -569,7 +592,8 @@ mod fuzz {
             .prop_map(|part| pb::ContentPart { part })
     }
 
-    /// Temperatures, filters and seeds: plausible values, edges and any bits (NaN, infinities).
+    /// Temperatures, filters, seeds and stop token ids: plausible values, edges and any bits (NaN,
+    /// infinities).
     fn sampling_options() -> impl Strategy<Value = pb::DecodingOptions> {
         let unit = prop_oneof![0.0f32..=1.0, Just(0.0), Just(1.0), any::<f32>()];
         (
@@ -578,14 +602,18 @@ mod fuzz {
             prop::option::of(unit.clone()),
             unit,
             any::<Option<u64>>(),
+            prop::collection::vec(prop_oneof![0u32..1200, any::<u32>()], 0..20),
         )
-            .prop_map(|(temperature, top_k, top_p, min_p, seed)| pb::DecodingOptions {
-                temperature,
-                top_k,
-                top_p,
-                min_p,
-                seed,
-                ..Default::default()
+            .prop_map(|(temperature, top_k, top_p, min_p, seed, stop_token_ids)| {
+                pb::DecodingOptions {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    seed,
+                    stop_token_ids,
+                    ..Default::default()
+                }
             })
     }
 
@@ -636,9 +664,13 @@ mod fuzz {
                 max_tree_budget: 256,
                 drafter_configured: drafter,
             };
-            let options = request.decoding;
+            let options = request.decoding.clone();
             if let Err(e) = decoding(options.as_ref(), &defaults) {
                 prop_assert!(e.to_string().starts_with("decoding."), "names the field: {e}");
+            }
+            match stop_token_ids(options.as_ref(), 1000) {
+                Ok(ids) => prop_assert!(ids.len() <= 16 && ids.iter().all(|&id| (0..1000).contains(&id))),
+                Err(e) => prop_assert!(e.to_string().starts_with("decoding.stop_token_ids"), "names the field: {e}"),
             }
             match sampling(options.as_ref(), 1000) {
                 Ok(s) if !s.is_greedy() => {

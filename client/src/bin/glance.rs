@@ -47,6 +47,9 @@ struct GenerateArgs {
     /// Stop strings.
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// Token ids that end the generation.
+    #[arg(long = "stop-token-id")]
+    stop_token_ids: Vec<u32>,
     #[arg(long, value_enum, default_value = "default")]
     mode: Mode,
     /// Tree budget (0: the server's default).
@@ -160,6 +163,7 @@ fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest,
         images: Vec::new(),
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.clone(),
+        stop_token_ids: args.stop_token_ids.clone(),
         mode: mode.into(),
         tree_budget: args.tree_budget,
         sampling: Sampling {
