@@ -10,6 +10,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
 seconds="${GLANCE_FUZZ_SECONDS:-$(( ${1:-10} * 60 ))}"
 batch="${GLANCE_FUZZ_BATCH:-10000}"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
 # package, test target (--test NAME or --lib), name filter
 targets=(
   "glance-codec --test fuzz_codec decoding"
@@ -31,17 +33,21 @@ for target in "${targets[@]}"; do
   # Batches until the time is up; `timeout` ends the last one, which is not counted.
   while (( SECONDS - started < seconds )); do
     left=$(( seconds - (SECONDS - started) ))
-    GLANCE_FUZZ_CASES="$batch" timeout "$left" cargo test --release --quiet -p "$package" "$kind" $name -- "$filter" >/tmp/glance-fuzz.log 2>&1
+    GLANCE_FUZZ_CASES="$batch" timeout "$left" cargo test --release --quiet -p "$package" "$kind" $name -- "$filter" >"$log" 2>&1
     status=$?
-    if (( status == 0 )); then
+    if (( status == 0 )) && ! grep -q "test result: ok. [1-9]" "$log"; then
+      echo "fuzz: FAILED: no test of $package $kind $name matches $filter"
+      failed=1
+      break
+    elif (( status == 0 )); then
       batches=$(( batches + 1 ))
     elif (( status != 124 )); then
-      tail -40 /tmp/glance-fuzz.log
+      tail -40 "$log"
       echo "fuzz: FAILED: $package $kind $name $filter"
       failed=1
       break
     fi
   done
-  echo "fuzz: $package $name $filter: $(( batches * batch )) cases per test in $(( SECONDS - started )) s"
+  echo "fuzz: $package ${name:-lib} $filter: $(( batches * batch )) cases per test in $(( SECONDS - started )) s"
 done
 exit $failed
