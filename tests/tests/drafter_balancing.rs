@@ -27,7 +27,7 @@ const LONG_TOKENS: u32 = 160;
 const LONG_TREE_BUDGET: u32 = 4;
 const SHORT_TOKENS: u32 = 24;
 /// Each drafter round takes this long (a stand-in for a real head's forward).
-const ROUND_MS: &str = "15";
+const ROUND_MS: &str = "30";
 const MEASURED_SESSIONS: usize = 40;
 /// The verifier re-resolves every 5 s; joining takes at most that plus a handshake.
 const JOIN_LIMIT: Duration = Duration::from_secs(30);
