@@ -124,7 +124,8 @@ impl Case {
 
     /// The image backend that reproduces this case's pixels.
     pub fn image_backend(&self) -> glance_input::ImageBackend {
-        image_backend_of(&self.image_processor_class)
+        glance_input::ImageBackend::of_processor_class(&self.image_processor_class)
+            .unwrap_or_else(|| panic!("case {}: image processor {:?}", self.case, self.image_processor_class))
     }
 
     /// The input pipeline this case was made with.
@@ -161,15 +162,6 @@ impl Case {
                 ChatMessage { role: m["role"].as_str().unwrap_or_default().to_string(), content }
             })
             .collect()
-    }
-}
-
-/// `Qwen2VLImageProcessorPil` is the PIL backend; `Qwen2VLImageProcessor` the torchvision one.
-pub fn image_backend_of(image_processor_class: &str) -> glance_input::ImageBackend {
-    if image_processor_class.ends_with("Pil") {
-        glance_input::ImageBackend::Pil
-    } else {
-        glance_input::ImageBackend::Torchvision
     }
 }
 

@@ -102,7 +102,7 @@ async fn the_image_backend_flag_picks_the_processor() {
         assert_eq!(info.image_backend, backend);
         assert_eq!(info.sampling_options, ["temperature", "top_k", "top_p", "min_p", "seed"]);
         let case = Case::load(&dir, case);
-        assert_eq!(glance_tests::image_backend_of(&case.image_processor_class).name(), backend);
+        assert_eq!(case.image_backend().name(), backend);
         let request = pb::GenerateRequest {
             decoding: Some(pb::DecodingOptions { ignore_eos: true, ..Default::default() }),
             ..request(glance_tests::suite::to_proto(&case.chat_messages()), 32)

@@ -422,7 +422,8 @@ const MIN_TEMPERATURE: f64 = 1e-5;
 /// The request's sampling settings: greedy at temperature 0, else each option checked, naming
 /// the field, and a seed drawn for it when it brought none.
 fn sampling(options: Option<&pb::DecodingOptions>, vocab: usize) -> Result<Sampling, VerifierError> {
-    let options = options.cloned().unwrap_or_default();
+    let unset = pb::DecodingOptions::default();
+    let options = options.unwrap_or(&unset);
     let temperature = f64::from(options.temperature);
     if !temperature.is_finite() || temperature < 0.0 {
         return Err(VerifierError::invalid("decoding.temperature", "must be 0 (greedy) or positive"));

@@ -289,7 +289,7 @@ pub fn speculative_generate(
     let prompt_states = prompt_states.as_ref().map(glance_models::stage_to_host);
     // The root and, for the policy, the target's entropy there (what it predicts a round from).
     let first = Draw { sampling: spec.sampling, index: 0 };
-    let numerators = upload_numerators(&first, model.device());
+    let numerators = first.upload_single_row(model.device());
     // the last row's (1, vocab) logits
     let read = read_back(&logits, &spec.sampling, numerators.as_ref(), policy.is_some());
     history.push(&inputs.input_ids, prompt_states.as_ref());
@@ -845,12 +845,6 @@ fn entropies_nats(logits: &Tensor) -> Tensor {
 /// target's entropy at `next`.
 type Step = (Vec<i64>, TapRows, Option<f32>);
 
-/// The uniform of a single row drawing `draw`'s index, on `device`; none when greedy.
-fn upload_numerators(draw: &Draw, device: tch::Device) -> Option<Tensor> {
-    let numerators = draw.numerators([0]);
-    (!numerators.is_empty()).then(|| glance_models::upload(&numerators, device))
-}
-
 /// One plain step (no drafter): forward the root, keep its tap states; the next token is the
 /// argmax or `draw`'s.
 fn plain_step(
@@ -862,7 +856,7 @@ fn plain_step(
     with_entropy: bool,
     draw: Draw,
 ) -> Result<Step, ModelError> {
-    let numerators = upload_numerators(&draw, model.device());
+    let numerators = draw.upload_single_row(model.device());
     let out = glance_models::decode::forward_token(model, cache, root, rope_delta, taps)?;
     let logits = out.logits.as_ref().expect("logits were requested");
     let staged = stage_taps(&out.taps);

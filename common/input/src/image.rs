@@ -83,6 +83,19 @@ impl ImageBackend {
             ImageBackend::Torchvision => "torchvision",
         }
     }
+
+    /// The transformers class whose pixels this backend reproduces.
+    pub fn processor_class(self) -> &'static str {
+        match self {
+            ImageBackend::Pil => "Qwen2VLImageProcessorPil",
+            ImageBackend::Torchvision => "Qwen2VLImageProcessor",
+        }
+    }
+
+    /// The backend reproducing transformers class `name`, if either does.
+    pub fn of_processor_class(name: &str) -> Option<Self> {
+        [ImageBackend::Pil, ImageBackend::Torchvision].into_iter().find(|b| b.processor_class() == name)
+    }
 }
 
 /// What an image's alpha channel becomes on the way to RGB.

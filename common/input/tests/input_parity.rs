@@ -95,10 +95,10 @@ impl Case {
 
     /// `Qwen2VLImageProcessorPil` made it with the PIL backend, `Qwen2VLImageProcessor` with torchvision.
     fn image_backend(&self) -> Result<ImageBackend> {
-        match self.field("image_processor_class")?.as_str() {
-            Some("Qwen2VLImageProcessorPil") => Ok(ImageBackend::Pil),
-            Some("Qwen2VLImageProcessor") => Ok(ImageBackend::Torchvision),
-            other => bail!("unknown image_processor_class {other:?}"),
+        let class = self.field("image_processor_class")?.as_str();
+        match class.and_then(ImageBackend::of_processor_class) {
+            Some(backend) => Ok(backend),
+            None => bail!("unknown image_processor_class {class:?}"),
         }
     }
 

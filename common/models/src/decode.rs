@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
-use crate::sampling::Sampling;
+use crate::sampling::{Draw, Sampling};
 use crate::{LogitRows, ModelError, StepInput, TargetModel};
 
 /// Everything a forward pass needs about a prompt, already tokenized and preprocessed.
@@ -239,7 +239,6 @@ pub fn teacher_forced(
     Ok(TeacherForced { prompt_logits, prompt_states, continuation: Some(continuation) })
 }
 
-/// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
 /// The token chosen from the last row of `logits`: its argmax, or the draw of generated index
 /// `index` (one upload of its uniform, one read-back).
 pub fn choose_last(logits: &Tensor, sampling: &Sampling, index: u64) -> i64 {
@@ -247,11 +246,12 @@ pub fn choose_last(logits: &Tensor, sampling: &Sampling, index: u64) -> i64 {
         return argmax_last(logits);
     }
     let rows = logits.size()[0];
-    let numerator = crate::upload(&[sampling.uniform_numerator(index)], logits.device());
-    let chosen = crate::sampling::choose(&logits.narrow(0, rows - 1, 1), sampling, Some(&numerator));
+    let numerator = Draw { sampling: *sampling, index }.upload_single_row(logits.device());
+    let chosen = crate::sampling::choose(&logits.narrow(0, rows - 1, 1), sampling, numerator.as_ref());
     crate::read_back(&chosen).int64_value(&[0])
 }
 
+/// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
 pub fn argmax_last(logits: &Tensor) -> i64 {
     let rows = logits.size()[0];
     crate::read_back(&logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false)).int64_value(&[])

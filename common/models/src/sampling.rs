@@ -62,6 +62,12 @@ impl Draw {
         }
         depths.into_iter().map(|d| self.sampling.uniform_numerator(self.index + d as u64)).collect()
     }
+
+    /// The uniform of a single row drawing `index`, uploaded to `device`; none when greedy.
+    pub fn upload_single_row(&self, device: tch::Device) -> Option<Tensor> {
+        let numerators = self.numerators([0]);
+        (!numerators.is_empty()).then(|| crate::upload(&numerators, device))
+    }
 }
 
 /// The logits as transformers' sampling warpers leave them, (rows, vocab) f32: divided by the
@@ -106,14 +112,6 @@ fn min_p_filtered(scores: &Tensor, min_p: f64) -> Tensor {
     let top = probs.topk(1, -1, true, true).1;
     let remove = remove.scatter_value(-1, &top, 0);
     scores.masked_fill(&remove, f64::NEG_INFINITY)
-}
-
-/// The processed distribution's log-probabilities, (rows, vocab) f32 (-inf where removed).
-pub fn log_probs(logits: &Tensor, sampling: &Sampling) -> Tensor {
-    if sampling.is_greedy() {
-        return logits.log_softmax(-1, Kind::Float);
-    }
-    warped_scores(logits, sampling).log_softmax(-1, Kind::Float)
 }
 
 /// Each row's next token, (rows) int64 on the logits' device: the argmax when greedy, else a
