@@ -37,6 +37,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python tests/reference/make_reference.py --out "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_text_reference.py --out "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_sampling_reference.py --out "$GLANCE_FIXTURES"
+  .venv/bin/python tests/reference/make_logprob_reference.py --fixtures "$GLANCE_FIXTURES"
   .venv/bin/python tests/reference/make_dflash_reference.py \
     --target "$GLANCE_FIXTURES/tiny-qwen3-vl" --out "$GLANCE_FIXTURES/tiny-qwen3-vl-dflash"
   .venv/bin/python tests/reference/make_dflash_reference.py \

@@ -78,6 +78,8 @@ pub struct Request {
     pub tree_budget: u32,
     /// Greedy by default.
     pub sampling: Sampling,
+    /// Each token's log-probability with this many alternatives (None: no log-probabilities).
+    pub logprobs: Option<u32>,
 }
 
 /// The sampling options of a request (see `DecodingOptions` in `glance.v1`).
@@ -138,6 +140,8 @@ impl Request {
                 min_p: self.sampling.min_p,
                 seed: self.sampling.seed,
                 stop_token_ids: self.stop_token_ids.clone(),
+                logprobs: self.logprobs.is_some(),
+                top_logprobs: self.logprobs.unwrap_or(0),
                 ..Default::default()
             }),
         }

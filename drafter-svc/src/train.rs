@@ -480,7 +480,7 @@ fn regenerate_batch(
     max_new_tokens: usize,
 ) -> Result<Vec<Vec<i64>>, TrainError> {
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
-    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
+    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16, logprobs: None };
     glance_models::decode::greedy_generate_batch(target, inputs, &params)
         .map_err(|e| TrainError::Target(e.to_string()))
 }
@@ -494,7 +494,7 @@ fn regenerate(
 ) -> Result<Vec<i64>, TrainError> {
     let _no_grad = tch::no_grad_guard();
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
-    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16 };
+    let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16, logprobs: None };
     let generation = greedy_generate(target, inputs, &params, |_| StepControl::Continue)
         .map_err(|e| TrainError::Target(e.to_string()))?;
     Ok(generation.tokens)

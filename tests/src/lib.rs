@@ -11,6 +11,7 @@ use serde::Deserialize;
 use tch::Tensor;
 
 pub mod bench;
+pub mod drafters;
 pub mod law_plot;
 pub mod process;
 pub mod requests;
@@ -202,7 +203,8 @@ pub fn prompt_forward(model: &TargetModel, inputs: &ModelInputs, taps: &[usize])
 
 /// `n` greedy tokens with EOS disabled.
 pub fn greedy(model: &TargetModel, inputs: &ModelInputs, n: usize) -> Vec<i64> {
-    let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
+    let params =
+        GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20, logprobs: None };
     greedy_generate(model, inputs, &params, |_| StepControl::Continue).expect("greedy").tokens
 }
 

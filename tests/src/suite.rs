@@ -63,6 +63,7 @@ pub fn build(dir: &Path, count: usize, max_new_tokens: u32) -> Vec<SuitePrompt> 
                 max_new_tokens: max_new_tokens as usize,
                 eos_token_ids: if ignore_eos { &[] } else { &eos },
                 context_limit: 4096,
+                logprobs: None,
             };
             let greedy =
                 greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).expect("greedy").tokens;

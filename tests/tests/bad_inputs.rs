@@ -262,6 +262,18 @@ fn table(good_png: &[u8], text_limit: usize) -> Vec<BadInput> {
             InvalidArgument,
             "decoding.stop_token_ids: at most 16",
         ),
+        row(
+            "top_logprobs over 20",
+            with_decoding(pb::DecodingOptions { logprobs: true, top_logprobs: 21, ..Default::default() }),
+            InvalidArgument,
+            "decoding.top_logprobs: must be 0 to 20",
+        ),
+        row(
+            "top_logprobs without logprobs",
+            with_decoding(pb::DecodingOptions { top_logprobs: 3, ..Default::default() }),
+            InvalidArgument,
+            "decoding.top_logprobs: needs decoding.logprobs",
+        ),
         // the request as a whole
         row(
             "a request past the transport's limit",

@@ -134,7 +134,7 @@ fn a_round_crosses_the_host_device_boundary_as_counted() {
         counts: Rc::clone(&counts),
     };
     let prompts = PromptBuilder::from_model_dir(&target, PromptOptions::default()).expect("prompts");
-    let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &[], context_limit: 4096 };
+    let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &[], context_limit: 4096, logprobs: None };
     let spec = SpecParams { budget: 15, branch_k: 4, log_rounds: false, sampling: Sampling::GREEDY };
     for task in [Task::Chart, Task::Doc] {
         let inputs = prompts.build(&sample(Split::HeldOut, task, 0, 3).messages()).unwrap().model_inputs();

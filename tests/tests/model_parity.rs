@@ -76,7 +76,8 @@ fn batched_greedy_with_images_equals_the_reference_per_case() {
         let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
         assert!(inputs.iter().any(|i| i.pixel_values.is_some()) && inputs.iter().any(|i| i.rope_delta != 0));
         let n = cases.iter().map(|c| c.greedy_tokens.len()).min().expect("cases");
-        let params = GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20 };
+        let params =
+            GreedyParams { max_new_tokens: n, eos_token_ids: &[], context_limit: 1 << 20, logprobs: None };
         let batched =
             greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched");
         for (case, tokens) in cases.iter().zip(&batched) {

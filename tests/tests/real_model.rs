@@ -39,7 +39,8 @@ fn decode_all(dir: &std::path::Path, kind: Kind, runs: &[Run], tokens: usize) ->
     let model = TargetModel::load(dir, kind, Device::Cpu).expect("the real model loads");
     assert_eq!(model.family, Family::Llama);
     let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).expect("prompt builder");
-    let params = GreedyParams { max_new_tokens: tokens, eos_token_ids: &[], context_limit: 4096 };
+    let params =
+        GreedyParams { max_new_tokens: tokens, eos_token_ids: &[], context_limit: 4096, logprobs: None };
     runs.iter()
         .map(|run| {
             let message =
@@ -79,7 +80,12 @@ fn batched_f32_greedy_equals_transformers() {
             image_grids: vec![],
         })
         .collect();
-    let params = GreedyParams { max_new_tokens: reference.tokens, eos_token_ids: &[], context_limit: 4096 };
+    let params = GreedyParams {
+        max_new_tokens: reference.tokens,
+        eos_token_ids: &[],
+        context_limit: 4096,
+        logprobs: None,
+    };
     let batched =
         greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params).expect("batched greedy");
     for (run, tokens) in runs.iter().zip(batched) {

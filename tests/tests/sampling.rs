@@ -4,18 +4,14 @@
 //! (`tests/reference/make_sampling_reference.py`). Then seeded sampling through the decoders:
 //! deterministic per seed, and the same tokens in every speculative mode as autoregressive.
 
-use std::time::Duration;
-
 use glance_models::decode::{generate, GreedyParams, StepControl};
 use glance_models::sampling::{warped_scores, Sampling};
 use glance_models::TargetModel;
-use glance_spec::tree::Tree;
+use glance_tests::drafters::scripted;
 use glance_tests::{fixtures, max_abs_diff, Case};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
-use verifier_svc::speculative::{
-    speculative_generate, DraftFailure, DraftProvider, DraftRound, DraftSession, Drafted, SpecParams,
-};
+use verifier_svc::speculative::{speculative_generate, SpecParams};
 
 #[derive(Deserialize)]
 struct Warpers {
@@ -69,79 +65,6 @@ fn processed_scores_equal_transformers_warpers() {
     );
 }
 
-/// A drafter with a script: below each root it proposes the script's next `depth` tokens as a path,
-/// each node with one sibling that is some other token, so that the walk meets both.
-struct ScriptedProvider {
-    /// The stream it expects: prompt + continuation (the oracle's), or anything (a poor drafter).
-    script: Vec<i64>,
-    depth: usize,
-    siblings: bool,
-    vocab: u32,
-}
-
-struct ScriptedSession {
-    script: Vec<i64>,
-    depth: usize,
-    siblings: bool,
-    vocab: u32,
-    context_len: usize,
-    ready: Option<Drafted>,
-}
-
-impl DraftProvider for ScriptedProvider {
-    fn open(&mut self) -> Option<Box<dyn DraftSession>> {
-        Some(Box::new(ScriptedSession {
-            script: self.script.clone(),
-            depth: self.depth,
-            siblings: self.siblings,
-            vocab: self.vocab,
-            context_len: 0,
-            ready: None,
-        }))
-    }
-
-    fn tap_layers(&self) -> &[usize] {
-        &[]
-    }
-
-    fn max_depth(&self) -> usize {
-        self.depth
-    }
-}
-
-impl DraftSession for ScriptedSession {
-    fn context_len(&self) -> usize {
-        self.context_len
-    }
-
-    fn send(&mut self, round: DraftRound) -> Result<(), DraftFailure> {
-        let mut tree = Tree::default();
-        let mut parent = -1;
-        let next = self.script.iter().skip(round.root_position + 1).take(self.depth.min(round.budget));
-        for (d, &token) in next.enumerate() {
-            let token = token as u32 % self.vocab;
-            if self.siblings && tree.len() + 2 <= round.budget {
-                tree.push((token + 1 + d as u32 * 7) % self.vocab, parent, 0.0);
-            }
-            if tree.len() >= round.budget {
-                break;
-            }
-            parent = tree.push(token, parent, 0.0);
-        }
-        self.context_len = round.root_position;
-        self.ready = Some(Drafted { tree, ..Default::default() });
-        Ok(())
-    }
-
-    fn receive(&mut self, _wait: Duration) -> Result<Option<Drafted>, DraftFailure> {
-        Ok(self.ready.take())
-    }
-
-    fn bytes_sent(&self) -> u64 {
-        0
-    }
-}
-
 fn spec_params(budget: usize, sampling: Sampling) -> SpecParams {
     SpecParams { budget, branch_k: 2, log_rounds: false, sampling }
 }
@@ -160,7 +83,8 @@ fn sampling_is_seeded_and_every_mode_draws_the_autoregressive_tokens() {
         let vocab = model.text_config().vocab_size as u32;
         let case = Case::load(&dir, if family == "tiny-llama" { "single_turn" } else { "one_image" });
         let inputs = glance_tests::reference_inputs(&case);
-        let params = GreedyParams { max_new_tokens: 40, eos_token_ids: &[], context_limit: 4096 };
+        let params =
+            GreedyParams { max_new_tokens: 40, eos_token_ids: &[], context_limit: 4096, logprobs: None };
         let sample = |sampling: &Sampling| {
             generate(&model, &inputs, &params, sampling, |_| StepControl::Continue).expect("sampling").tokens
         };
@@ -190,7 +114,7 @@ fn sampling_is_seeded_and_every_mode_draws_the_autoregressive_tokens() {
                 ("oracle chain", &oracle, 8, false),
                 ("poor tree", &poor, 4, true),
             ] {
-                let mut provider = ScriptedProvider { script: script.clone(), depth, siblings, vocab };
+                let mut provider = scripted(script.clone(), depth, siblings, vocab);
                 let (generation, stats) = speculative_generate(
                     &model,
                     &inputs,

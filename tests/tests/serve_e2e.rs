@@ -58,6 +58,66 @@ async fn sampled_requests_return_their_seed_and_repeat_with_it() {
     assert_eq!(greedy_response.unwrap().into_inner().seed, None, "a greedy response has no seed");
 }
 
+/// Log-probabilities through the service: one per token with its alternatives, unary and
+/// streamed; the same values autoregressively and in prompt lookup (a speculative mode: its
+/// tokens come from verify passes, whose rows give the values); greedy and sampled; none unless
+/// asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_come_with_every_token_in_every_mode() {
+    let Some(root) = fixtures() else { return };
+    let dir = root.join("tiny-qwen3-vl");
+    let server = ServiceProcess::verifier(&dir, &[]);
+    let mut client = connect(&server.url).await;
+    let case = Case::load(&dir, "one_image");
+    let asking = |mode: pb::DecodingMode, temperature: f32| pb::GenerateRequest {
+        decoding: Some(pb::DecodingOptions {
+            mode: mode as i32,
+            temperature,
+            seed: Some(11),
+            ignore_eos: true,
+            logprobs: true,
+            top_logprobs: 3,
+            ..Default::default()
+        }),
+        ..request(glance_tests::suite::to_proto(&case.chat_messages()), 24)
+    };
+    for temperature in [0.0, 0.9] {
+        let ar = client
+            .generate(asking(pb::DecodingMode::Autoregressive, temperature))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(ar.logprobs.len(), ar.token_ids.len(), "one log-probability per token");
+        for (lp, &token) in ar.logprobs.iter().zip(&ar.token_ids) {
+            assert_eq!(lp.token_id, token);
+            assert!(lp.logprob <= 0.0 && lp.top_logprobs.len() == 3, "{lp:?}");
+            assert!(lp.top_logprobs[0].logprob >= lp.logprob, "the best alternative is at least as likely");
+            if temperature == 0.0 {
+                assert_eq!(lp.top_logprobs[0].token_id, token, "greedy chooses the most likely token");
+            }
+        }
+        let mut stream = client
+            .generate_stream(asking(pb::DecodingMode::PromptLookup, temperature))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut streamed = pb::GenerateResponse::default();
+        while let Some(chunk) = stream.message().await.unwrap() {
+            assert_eq!(chunk.logprobs.len(), chunk.token_ids.len(), "per chunk, one per token");
+            streamed.token_ids.extend(chunk.token_ids);
+            streamed.logprobs.extend(chunk.logprobs);
+        }
+        assert_eq!(streamed.token_ids, ar.token_ids);
+        for (a, s) in ar.logprobs.iter().zip(&streamed.logprobs) {
+            assert!((a.logprob - s.logprob).abs() <= 1e-5, "{a:?} vs {s:?}");
+            let ids = |lp: &pb::TokenLogprob| lp.top_logprobs.iter().map(|t| t.token_id).collect::<Vec<_>>();
+            assert_eq!(ids(a), ids(s));
+        }
+    }
+    let plain = client.generate(request(glance_tests::suite::to_proto(&case.chat_messages()), 4)).await;
+    assert!(plain.unwrap().into_inner().logprobs.is_empty(), "no log-probabilities unless asked");
+}
+
 /// A stop token id ends the generation at its first occurrence, as a stop: the greedy tokens up
 /// to and including it, finish reason STOP, with `ignore_eos` too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,7 +160,10 @@ async fn the_image_backend_flag_picks_the_processor() {
         let mut client = connect(&server.url).await;
         let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
         assert_eq!(info.image_backend, backend);
-        assert_eq!(info.sampling_options, ["temperature", "top_k", "top_p", "min_p", "seed"]);
+        let options =
+            ["temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "logprobs", "top_logprobs"];
+        assert_eq!(info.sampling_options, options);
+        assert_eq!(info.max_top_logprobs, 20);
         let case = Case::load(&dir, case);
         assert_eq!(case.image_backend().name(), backend);
         let request = pb::GenerateRequest {
@@ -125,7 +188,8 @@ async fn served_tokens_equal_in_process_greedy() {
         let model = TargetModel::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
         let prompt = prompts.build(&messages).unwrap();
         let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
-        let params = GreedyParams { max_new_tokens: 48, eos_token_ids: &eos, context_limit: 4096 };
+        let params =
+            GreedyParams { max_new_tokens: 48, eos_token_ids: &eos, context_limit: 4096, logprobs: None };
         let inputs = prompt.model_inputs();
         let expected = greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).unwrap().tokens;
 

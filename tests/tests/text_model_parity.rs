@@ -168,7 +168,8 @@ fn batched_greedy_equals_the_reference_per_prompt() {
         let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
         let lengths: Vec<usize> = inputs.iter().map(|i| i.input_ids.len()).collect();
         assert!(lengths.iter().any(|&l| l != lengths[0]), "the batch needs padding: {lengths:?}");
-        let params = GreedyParams { max_new_tokens: 32, eos_token_ids: &[], context_limit: 1 << 20 };
+        let params =
+            GreedyParams { max_new_tokens: 32, eos_token_ids: &[], context_limit: 1 << 20, logprobs: None };
         let batched =
             glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params)
                 .expect("batched");
@@ -177,7 +178,8 @@ fn batched_greedy_equals_the_reference_per_prompt() {
         }
         // An EOS ends one sequence early without touching the others.
         let eos = [cases[0].greedy_tokens[3]];
-        let params = GreedyParams { max_new_tokens: 32, eos_token_ids: &eos, context_limit: 1 << 20 };
+        let params =
+            GreedyParams { max_new_tokens: 32, eos_token_ids: &eos, context_limit: 1 << 20, logprobs: None };
         let stopped =
             glance_models::decode::greedy_generate_batch(&model, &inputs.iter().collect::<Vec<_>>(), &params)
                 .expect("batched");

@@ -10,7 +10,10 @@ use std::sync::Arc;
 use std::thread;
 
 use glance_input::{Prompt, PromptBuilder};
-use glance_models::decode::{generate, FinishKind, Generation, GreedyParams, ModelInputs, StepControl};
+use glance_models::decode::{
+    generate, Emitted, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
+};
+use glance_models::readout::TokenLogprob;
 use glance_models::sampling::Sampling;
 use glance_models::TargetModel;
 use glance_spec::session::DraftEngine;
@@ -58,6 +61,8 @@ pub struct Job {
     pub sampling: Sampling,
     /// Log each speculative round's root entropy and accepted count.
     pub log_rounds: bool,
+    /// Report each token's log-probability with this many alternatives.
+    pub logprobs: Option<usize>,
     pub events: mpsc::Sender<Event>,
     /// Its place in the engine, released when the job is dropped.
     pub admission: Admission,
@@ -70,7 +75,12 @@ pub struct Job {
 /// What the engine reports about one request, in order: chunks, then exactly one `Done` or `Failed`.
 #[derive(Debug)]
 pub enum Event {
-    Chunk { text: String, token_ids: Vec<u32> },
+    /// Tokens (with their log-probabilities when asked for, one each) and the text they made final.
+    Chunk {
+        text: String,
+        token_ids: Vec<u32>,
+        logprobs: Vec<TokenLogprob>,
+    },
     Done(Box<Summary>),
     Failed(VerifierError),
 }
@@ -240,9 +250,11 @@ impl Worker {
             max_new_tokens: job.max_new_tokens,
             eos_token_ids: &ending,
             context_limit: self.limits.context_window,
+            logprobs: job.logprobs,
         };
         let mut last_token_at: Option<std::time::Instant> = None;
-        let on_token = |token: i64| {
+        let on_token = |emitted: Emitted<'_>| {
+            let token = emitted.token;
             let now = std::time::Instant::now();
             match last_token_at {
                 None => metrics::histogram!(names::TTFT).record((now - job.arrived).as_secs_f64()),
@@ -251,7 +263,8 @@ impl Worker {
             last_token_at = Some(now);
             let piece = text.push(token as u32);
             stop_string |= piece.stop;
-            let chunk = Event::Chunk { text: piece.text, token_ids: vec![token as u32] };
+            let logprobs = emitted.logprob.cloned().into_iter().collect();
+            let chunk = Event::Chunk { text: piece.text, token_ids: vec![token as u32], logprobs };
             if job.events.blocking_send(chunk).is_err() || piece.stop {
                 StepControl::Stop
             } else {
@@ -267,16 +280,20 @@ impl Worker {
         if finish == FinishKind::Eos {
             // The end-of-sequence (or stop) token is reported as a token but adds no text.
             let eos_token = *generation.tokens.last().expect("EOS is a generated token");
-            let _ = job
-                .events
-                .blocking_send(Event::Chunk { text: String::new(), token_ids: vec![eos_token as u32] });
+            let logprobs = job.logprobs.and(generation.logprobs.last().cloned()).into_iter().collect();
+            let chunk = Event::Chunk { text: String::new(), token_ids: vec![eos_token as u32], logprobs };
+            let _ = job.events.blocking_send(chunk);
             if job.stop_token_ids.contains(&eos_token) {
                 finish = FinishKind::Stopped;
             }
         }
         let rest = text.finish();
         if !rest.is_empty() {
-            let _ = job.events.blocking_send(Event::Chunk { text: rest, token_ids: Vec::new() });
+            let _ = job.events.blocking_send(Event::Chunk {
+                text: rest,
+                token_ids: Vec::new(),
+                logprobs: Vec::new(),
+            });
         }
         Ok(Summary {
             finish,
@@ -300,7 +317,7 @@ impl Worker {
         decoding: Decoding,
         sampling: Sampling,
         log_rounds: bool,
-        on_token: impl FnMut(i64) -> StepControl,
+        on_token: impl FnMut(Emitted<'_>) -> StepControl,
     ) -> Result<(Generation, Option<(Decoding, SpecParams, SpecStats)>), VerifierError> {
         let spec = |budget, branch_k| SpecParams { budget, branch_k, log_rounds, sampling };
         let (mut provider, spec): (Box<dyn DraftProvider>, SpecParams) = match decoding {

@@ -214,7 +214,19 @@ fn model_info(
         } else {
             String::new()
         },
-        sampling_options: ["temperature", "top_k", "top_p", "min_p", "seed"].map(String::from).to_vec(),
+        sampling_options: [
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "seed",
+            "stop_token_ids",
+            "logprobs",
+            "top_logprobs",
+        ]
+        .map(String::from)
+        .to_vec(),
+        max_top_logprobs: glance_models::readout::MAX_TOP_LOGPROBS as u32,
     }
 }
 

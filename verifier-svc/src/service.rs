@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use glance_input::{ChatMessage, ContentPart};
 use glance_models::decode::FinishKind;
+use glance_models::readout::{TokenLogprob, MAX_TOP_LOGPROBS};
 use glance_models::sampling::Sampling;
 use glance_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -73,6 +74,7 @@ impl GenerationService {
         let decoding = decoding(request.decoding.as_ref(), &self.defaults)?;
         let sampling = sampling(request.decoding.as_ref(), self.info.vocab_size as usize)?;
         let stop_token_ids = stop_token_ids(request.decoding.as_ref(), self.info.vocab_size as usize)?;
+        let logprobs = logprobs(request.decoding.as_ref())?;
         let (messages, max_new_tokens, stop) = validate(request, &self.limits)?;
         let admission = self.engine.admit()?;
         let prompts = Arc::clone(&self.engine.prompts);
@@ -100,6 +102,7 @@ impl GenerationService {
             decoding,
             sampling,
             log_rounds,
+            logprobs,
             events,
             admission,
             span: span.clone(),
@@ -122,8 +125,9 @@ impl GenerationService {
         let mut response = pb::GenerateResponse::default();
         while let Some(event) = next_event(&mut events, deadline).await {
             match event {
-                Event::Chunk { text, token_ids } => {
+                Event::Chunk { text, token_ids, logprobs } => {
                     response.text.push_str(&text);
+                    response.logprobs.extend(to_pb_logprobs(&token_ids, logprobs));
                     response.token_ids.extend(token_ids);
                 }
                 Event::Done(summary) => {
@@ -257,8 +261,12 @@ impl pb::generation_server::Generation for GenerationService {
             let mut outcome = Err(Status::unavailable("engine ended the request without a result"));
             while let Some(event) = next_event(&mut events, deadline).await {
                 let (chunk, done) = match event {
-                    Event::Chunk { text, token_ids } => {
-                        (Ok(pb::GenerateStreamChunk { text, token_ids, ..Default::default() }), false)
+                    Event::Chunk { text, token_ids, logprobs } => {
+                        let logprobs = to_pb_logprobs(&token_ids, logprobs);
+                        (
+                            Ok(pb::GenerateStreamChunk { text, token_ids, logprobs, ..Default::default() }),
+                            false,
+                        )
                     }
                     Event::Done(summary) => {
                         outcome = Ok(());
@@ -471,6 +479,39 @@ fn stop_token_ids(options: Option<&pb::DecodingOptions>, vocab: usize) -> Result
     Ok(ids.iter().map(|&id| i64::from(id)).collect())
 }
 
+/// How many alternatives each token's log-probability lists, when the request asks for
+/// log-probabilities at all.
+fn logprobs(options: Option<&pb::DecodingOptions>) -> Result<Option<usize>, VerifierError> {
+    let (wanted, top) = options.map_or((false, 0), |o| (o.logprobs, o.top_logprobs as usize));
+    if top > MAX_TOP_LOGPROBS {
+        return Err(VerifierError::invalid(
+            "decoding.top_logprobs",
+            format!("must be 0 to {MAX_TOP_LOGPROBS}"),
+        ));
+    }
+    if top > 0 && !wanted {
+        return Err(VerifierError::invalid("decoding.top_logprobs", "needs decoding.logprobs set"));
+    }
+    Ok(wanted.then_some(top))
+}
+
+/// The engine's log-probabilities of `token_ids` (one each, or none) in the API's form.
+fn to_pb_logprobs(token_ids: &[u32], logprobs: Vec<TokenLogprob>) -> Vec<pb::TokenLogprob> {
+    token_ids
+        .iter()
+        .zip(logprobs)
+        .map(|(&token_id, lp)| pb::TokenLogprob {
+            token_id,
+            logprob: lp.logprob,
+            top_logprobs: lp
+                .top
+                .into_iter()
+                .map(|(id, logprob)| pb::TopLogprob { token_id: id as u32, logprob })
+                .collect(),
+        })
+        .collect()
+}
+
 /// A seed no earlier request is likely to have had: the process's random hasher keys and the clock.
 fn fresh_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -604,18 +645,23 @@ mod fuzz {
             unit,
             any::<Option<u64>>(),
             prop::collection::vec(prop_oneof![0u32..1200, any::<u32>()], 0..20),
+            (any::<bool>(), prop_oneof![0u32..25, any::<u32>()]),
         )
-            .prop_map(|(temperature, top_k, top_p, min_p, seed, stop_token_ids)| {
-                pb::DecodingOptions {
-                    temperature,
-                    top_k,
-                    top_p,
-                    min_p,
-                    seed,
-                    stop_token_ids,
-                    ..Default::default()
-                }
-            })
+            .prop_map(
+                |(temperature, top_k, top_p, min_p, seed, stop_token_ids, (logprobs, top_logprobs))| {
+                    pb::DecodingOptions {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        seed,
+                        stop_token_ids,
+                        logprobs,
+                        top_logprobs,
+                        ..Default::default()
+                    }
+                },
+            )
     }
 
     fn request() -> impl Strategy<Value = pb::GenerateRequest> {
@@ -672,6 +718,11 @@ mod fuzz {
             match stop_token_ids(options.as_ref(), 1000) {
                 Ok(ids) => prop_assert!(ids.len() <= 16 && ids.iter().all(|&id| (0..1000).contains(&id))),
                 Err(e) => prop_assert!(e.to_string().starts_with("decoding.stop_token_ids"), "names the field: {e}"),
+            }
+            match logprobs(options.as_ref()) {
+                Ok(Some(top)) => prop_assert!(top <= 20 && options.as_ref().is_some_and(|o| o.logprobs)),
+                Ok(None) => prop_assert!(options.as_ref().is_none_or(|o| !o.logprobs && o.top_logprobs == 0)),
+                Err(e) => prop_assert!(e.to_string().starts_with("decoding.top_logprobs"), "names the field: {e}"),
             }
             match sampling(options.as_ref(), 1000) {
                 Ok(s) if !s.is_greedy() => {

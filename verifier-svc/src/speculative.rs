@@ -12,9 +12,10 @@
 use std::time::{Duration, Instant};
 
 use glance_models::decode::{
-    prefill_with_taps, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
+    prefill_with_taps, Emitted, FinishKind, Generation, GreedyParams, ModelInputs, StepControl,
 };
 use glance_models::kv_cache::KvCache;
+use glance_models::readout::{read_rows, Reads, RowsRead, TokenLogprob};
 use glance_models::sampling::{Draw, Sampling};
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
@@ -206,9 +207,11 @@ impl History {
     }
 }
 
-/// Commits tokens exactly as greedy decoding would, reporting whether generation ended.
-struct Committer<'a, F: FnMut(i64) -> StepControl> {
+/// Commits tokens exactly as autoregressive decoding would, reporting whether generation ended.
+struct Committer<'a, F: FnMut(Emitted<'_>) -> StepControl> {
     tokens: Vec<i64>,
+    /// Each token's log-probability, when asked for.
+    logprobs: Vec<TokenLogprob>,
     params: &'a GreedyParams<'a>,
     on_token: F,
     finish: Option<FinishKind>,
@@ -217,7 +220,7 @@ struct Committer<'a, F: FnMut(i64) -> StepControl> {
     limit: usize,
 }
 
-impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
+impl<F: FnMut(Emitted<'_>) -> StepControl> Committer<'_, F> {
     /// Whether committing `tokens` ends the generation by the checks that do not depend on the
     /// client (end of sequence, the token limit, the context): [`Committer::commit`]'s own, ahead
     /// of it.
@@ -229,15 +232,17 @@ impl<F: FnMut(i64) -> StepControl> Committer<'_, F> {
             || self.prompt_len + total > self.limit
     }
 
-    /// Commits one token with the greedy decoder's checks in its order; returns false once
-    /// generation has ended.
-    fn commit(&mut self, token: i64) -> bool {
+    /// Commits one token (with its log-probability when asked for) with the autoregressive
+    /// decoder's checks in its order; returns false once generation has ended.
+    fn commit(&mut self, token: i64, logprob: Option<TokenLogprob>) -> bool {
         self.tokens.push(token);
+        self.logprobs.extend(logprob);
         // What the greedy decoder's cache would hold now: the prompt and all but this token.
         let cache_len = self.prompt_len + self.tokens.len() - 1;
+        let emitted = Emitted { token, logprob: self.logprobs.last() };
         self.finish = if self.params.eos_token_ids.contains(&token) {
             Some(FinishKind::Eos)
-        } else if (self.on_token)(token) == StepControl::Stop {
+        } else if (self.on_token)(emitted) == StepControl::Stop {
             Some(FinishKind::Stopped)
         } else if self.tokens.len() >= self.params.max_new_tokens {
             Some(FinishKind::Length)
@@ -262,7 +267,7 @@ pub fn speculative_generate(
     spec: SpecParams,
     provider: &mut dyn DraftProvider,
     mut policy: Option<&mut RoundPolicy>,
-    on_token: impl FnMut(i64) -> StepControl,
+    on_token: impl FnMut(Emitted<'_>) -> StepControl,
 ) -> Result<(Generation, SpecStats), ModelError> {
     let _no_grad = tch::no_grad_guard();
     let started = Instant::now();
@@ -291,15 +296,24 @@ pub fn speculative_generate(
     let first = Draw { sampling: spec.sampling, index: 0 };
     let numerators = first.upload_single_row(model.device());
     // the last row's (1, vocab) logits
-    let read = read_back(&logits, &spec.sampling, numerators.as_ref(), policy.is_some());
+    let reads = Reads { entropy: policy.is_some(), logprobs: params.logprobs };
+    let read = read_rows(&logits, &spec.sampling, numerators.as_ref(), reads);
     history.push(&inputs.input_ids, prompt_states.as_ref());
-    let mut root = read[0] as i64;
-    let mut root_entropy = read.get(1).map(|&e| f64::from(e));
+    let mut root = read.choices[0];
+    let mut root_entropy = read.entropies.first().map(|&e| f64::from(e));
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut stats = SpecStats { accepted_per_depth: vec![0; max_depth], ..Default::default() };
-    let mut committer = Committer { tokens: Vec::new(), params, on_token, finish: None, prompt_len, limit };
-    let mut alive = committer.commit(root);
+    let mut committer = Committer {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        params,
+        on_token,
+        finish: None,
+        prompt_len,
+        limit,
+    };
+    let mut alive = committer.commit(root, read.logprobs.into_iter().next());
     // How long the verifier last sat idle waiting for a tree.
     let mut idle = Duration::ZERO;
     while alive {
@@ -350,10 +364,14 @@ pub fn speculative_generate(
         let round_entropy = policy.is_some();
         // The root row draws the next generated token.
         let draw = Draw { sampling: spec.sampling, index: committer.tokens.len() as u64 };
-        let (committed, tap_rows, next_entropy) = match round {
+        let (committed, logprobs, tap_rows, next_entropy) = match round {
             Some(tree) => {
                 stats.draft_tokens += tree.tokens.len();
-                let entropies = Entropies { root: spec.log_rounds, next: round_entropy };
+                let reads = RoundReads {
+                    root_entropy: spec.log_rounds,
+                    next_entropy: round_entropy,
+                    logprobs: params.logprobs,
+                };
                 let verified = verify_round(
                     model,
                     &mut cache,
@@ -362,7 +380,7 @@ pub fn speculative_generate(
                     root,
                     &tree,
                     &taps,
-                    entropies,
+                    reads,
                     draw,
                 )?;
                 // committed = [root, accepted…, bonus]: this round committed all but the root.
@@ -379,14 +397,15 @@ pub fn speculative_generate(
                 for count in &mut stats.accepted_per_depth[..accepted] {
                     *count += 1;
                 }
-                (verified.committed, verified.tap_rows, verified.next_entropy)
+                (verified.committed, verified.logprobs, verified.tap_rows, verified.next_entropy)
             }
             None => {
                 if greedy == Greedy::NoDrafter {
                     stats.fallback_rounds += 1;
                 }
-                let with_entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
-                plain_step(model, &mut cache, inputs.rope_delta, root, &taps, with_entropy, draw)?
+                let entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
+                let reads = Reads { entropy, logprobs: params.logprobs };
+                plain_step(model, &mut cache, inputs.rope_delta, root, &taps, reads, draw)?
             }
         };
         let verify_time = verify_started.elapsed();
@@ -408,12 +427,13 @@ pub fn speculative_generate(
             drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         }
         let _commit = tracing::info_span!("commit", tokens = new_positions).entered();
+        let mut logprobs = logprobs.into_iter();
         for (i, &token) in committed[1..].iter().enumerate() {
             // Every token but the last of a drafted round is an accepted draft token.
             if drafted && i + 2 < committed.len() {
                 stats.accepted_committed += 1;
             }
-            alive = committer.commit(token);
+            alive = committer.commit(token, logprobs.next());
             if !alive {
                 break;
             }
@@ -428,6 +448,7 @@ pub fn speculative_generate(
     stats.policy = policy.map(|p| p.stats);
     let generation = Generation {
         tokens: committer.tokens,
+        logprobs: committer.logprobs,
         finish: committer.finish.unwrap_or(FinishKind::Length),
         prefill_time,
         decode_time: decode_started.elapsed(),
@@ -736,6 +757,8 @@ impl TreeMask {
 pub struct Verified {
     /// [root, accepted…, bonus]
     pub committed: Vec<i64>,
+    /// Of [accepted…, bonus] (each from the row that chose it), when asked for.
+    pub logprobs: Vec<TokenLogprob>,
     /// Node indices of the accepted path.
     pub path: Vec<usize>,
     /// Tap states of [root, accepted…], in the pass's outputs staged on the host.
@@ -746,21 +769,24 @@ pub struct Verified {
     pub next_entropy: Option<f32>,
 }
 
-/// Which of the target's entropies a verify pass reads back (one softmax each).
-#[derive(Clone, Copy, Debug)]
-pub struct Entropies {
-    /// At the round's root (the round log of the entropy law).
-    pub root: bool,
-    /// At the bonus token, the next round's root (the auto policy's prediction).
-    pub next: bool,
+/// What a verify pass reads back besides the rows' choices (all in its one read-back).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RoundReads {
+    /// The target's entropy at the round's root (the round log of the entropy law).
+    pub root_entropy: bool,
+    /// The entropy at the bonus token, the next round's root (the auto policy's prediction).
+    pub next_entropy: bool,
+    /// Each committed token's log-probability with this many alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// One target pass over root + tree, the acceptance walk and the KV compaction (`bench_round`
 /// times it as the verify cost). One host upload (ids, positions, the pack's visibility and, when
 /// sampling, each row's uniform) that does not block, and one host sync: every row's tap states
-/// are staged to the host, then every row's choice (and entropy when asked) is read back, which
-/// waits for both. The walk follows, from the root, the child holding the row's choice: the
-/// argmax, or the token drawn from the target's processed distribution at that node.
+/// are staged to the host, then every row's choice (and entropy and log-probabilities when asked)
+/// is read back, which waits for both. The walk follows, from the root, the child holding the
+/// row's choice: the argmax, or the token drawn from the target's processed distribution at that
+/// node.
 #[allow(clippy::too_many_arguments)]
 pub fn verify_round(
     model: &TargetModel,
@@ -770,7 +796,7 @@ pub fn verify_round(
     root: i64,
     tree: &Tree,
     taps: &[usize],
-    entropies: Entropies,
+    reads: RoundReads,
     draw: Draw,
 ) -> Result<Verified, ModelError> {
     let start = cache.len();
@@ -804,20 +830,32 @@ pub fn verify_round(
     let out = model.forward(&step, cache)?;
     let logits = out.logits.expect("logits were requested");
     let staged = stage_taps(&out.taps);
-    let read = read_back(&logits, &draw.sampling, numerators.as_ref(), entropies.root || entropies.next);
-    let choices: Vec<TokenId> = read[..n].iter().map(|&c| c as TokenId).collect();
+    let row_reads = Reads { entropy: reads.root_entropy || reads.next_entropy, logprobs: reads.logprobs };
+    let RowsRead { choices, entropies, logprobs } =
+        read_rows(&logits, &draw.sampling, numerators.as_ref(), row_reads);
+    let choices: Vec<TokenId> = choices.iter().map(|&c| c as TokenId).collect();
     let (path, bonus) = tree.accepted_path(&choices);
     let bonus_row = path.last().map_or(0, |&i| i + 1);
-    let entropy = |row: usize| read.get(n + row).copied();
-    let root_entropy = entropies.root.then(|| entropy(0)).flatten();
-    let next_entropy = entropies.next.then(|| entropy(bonus_row)).flatten();
+    let root_entropy = reads.root_entropy.then(|| entropies.first().copied()).flatten();
+    let next_entropy = reads.next_entropy.then(|| entropies.get(bonus_row).copied()).flatten();
     let keep: Vec<usize> = std::iter::once(0).chain(path.iter().map(|&i| i + 1)).collect();
+    // The row of each committed token's choice is the row of the token before it.
+    let logprobs = committed_logprobs(logprobs, &keep);
     cache.keep_rows(start, &keep)?;
     let tap_rows = TapRows { taps: staged, keep };
     let mut committed = vec![root];
     committed.extend(path.iter().map(|&i| i64::from(tree.tokens[i])));
     committed.push(i64::from(bonus));
-    Ok(Verified { committed, path, tap_rows, root_entropy, next_entropy })
+    Ok(Verified { committed, logprobs, path, tap_rows, root_entropy, next_entropy })
+}
+
+/// The log-probabilities of the kept rows' choices, in order (empty when none were read).
+fn committed_logprobs(rows: Vec<TokenLogprob>, keep: &[usize]) -> Vec<TokenLogprob> {
+    if rows.is_empty() {
+        return rows;
+    }
+    let mut rows: Vec<Option<TokenLogprob>> = rows.into_iter().map(Some).collect();
+    keep.iter().filter_map(|&row| rows[row].take()).collect()
 }
 
 /// Every tap output of a pass on its way to the host, ahead of the pass's read-back (whose sync
@@ -826,24 +864,9 @@ fn stage_taps(taps: &[Tensor]) -> Vec<Tensor> {
     taps.iter().map(glance_models::stage_to_host).collect()
 }
 
-/// Every row's choice (the argmax, or the draw with `numerators`' uniforms) and, with `entropy`,
-/// then every row's entropy (nats, f32, of the raw logits): one host copy. (Token ids are exact
-/// in f32 below 2^24.)
-fn read_back(logits: &Tensor, sampling: &Sampling, numerators: Option<&Tensor>, entropy: bool) -> Vec<f32> {
-    let choices = glance_models::sampling::choose(logits, sampling, numerators).to_kind(Kind::Float);
-    let packed = if entropy { Tensor::cat(&[choices, entropies_nats(logits)], 0) } else { choices };
-    Vec::<f32>::try_from(glance_models::read_back(&packed)).expect("a 1-D f32 tensor")
-}
-
-/// Shannon entropy in nats of softmax over the last dimension of (rows, vocab) logits, in f32.
-fn entropies_nats(logits: &Tensor) -> Tensor {
-    let log_p = logits.log_softmax(-1, Kind::Float);
-    -(log_p.exp() * &log_p).sum_dim_intlist(-1, false, Kind::Float)
-}
-
-/// What one greedy step committed ([root, next]), the root's tap states, and (when asked) the
-/// target's entropy at `next`.
-type Step = (Vec<i64>, TapRows, Option<f32>);
+/// What one greedy step committed ([root, next]), `next`'s log-probability (when asked), the
+/// root's tap states, and (when asked) the target's entropy at `next`.
+type Step = (Vec<i64>, Vec<TokenLogprob>, TapRows, Option<f32>);
 
 /// One plain step (no drafter): forward the root, keep its tap states; the next token is the
 /// argmax or `draw`'s.
@@ -853,16 +876,16 @@ fn plain_step(
     rope_delta: i64,
     root: i64,
     taps: &[usize],
-    with_entropy: bool,
+    reads: Reads,
     draw: Draw,
 ) -> Result<Step, ModelError> {
     let numerators = draw.upload_single_row(model.device());
     let out = glance_models::decode::forward_token(model, cache, root, rope_delta, taps)?;
     let logits = out.logits.as_ref().expect("logits were requested");
     let staged = stage_taps(&out.taps);
-    let read = read_back(logits, &draw.sampling, numerators.as_ref(), with_entropy);
-    let entropy = read.get(1).copied();
-    Ok((vec![root, read[0] as i64], TapRows { taps: staged, keep: vec![0] }, entropy))
+    let read = read_rows(logits, &draw.sampling, numerators.as_ref(), reads);
+    let entropy = read.entropies.first().copied();
+    Ok((vec![root, read.choices[0]], read.logprobs, TapRows { taps: staged, keep: vec![0] }, entropy))
 }
 
 /// The tap outputs of one target pass, staged on the host, and which of its rows were committed.

@@ -70,6 +70,12 @@ struct GenerateArgs {
     /// Seed of the draws (default: the server's pick, printed; `compare` picks one for both runs).
     #[arg(long)]
     seed: Option<u64>,
+    /// Report each token's log-probability (printed after the answer; in --json output).
+    #[arg(long)]
+    logprobs: bool,
+    /// With each log-probability, the N most likely tokens (0-20; implies --logprobs).
+    #[arg(long, default_value_t = 0)]
+    top_logprobs: u32,
     /// Print the response as JSON (token ids included).
     #[arg(long)]
     json: bool,
@@ -118,6 +124,7 @@ async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> 
         print!("{}", chunk.text);
         std::io::stdout().flush()?;
         last.token_ids.extend(chunk.token_ids);
+        last.logprobs.extend(chunk.logprobs);
         if chunk.finish_reason != 0 {
             last.finish_reason = chunk.finish_reason;
             last.usage = chunk.usage;
@@ -143,6 +150,13 @@ async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) ->
     println!("{}", spec.text);
     print_summary(&spec, started);
     let identical = ar.token_ids == spec.token_ids;
+    if identical && !ar.logprobs.is_empty() {
+        let largest = ar.logprobs.iter().zip(&spec.logprobs).map(|(a, s)| (a.logprob - s.logprob).abs());
+        println!(
+            "-- log-probabilities: largest |difference| to autoregressive {:.2e}",
+            largest.fold(0.0, f32::max)
+        );
+    }
     let (ar_ms, spec_ms) = (decode_ms_per_token(&ar), decode_ms_per_token(&spec));
     let tau = spec.speculative.map(|s| s.mean_accepted_length).unwrap_or(1.0);
     println!(
@@ -173,6 +187,7 @@ fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest,
             min_p: args.min_p,
             seed: args.seed,
         },
+        logprobs: (args.logprobs || args.top_logprobs > 0).then_some(args.top_logprobs),
     };
     Ok(request.with_image_files(&args.images)?.to_proto())
 }
@@ -193,6 +208,11 @@ fn print_summary(response: &pb::GenerateResponse, started: Instant) {
     );
     if let Some(seed) = response.seed {
         println!("-- sampled with seed {seed}");
+    }
+    for lp in &response.logprobs {
+        let top: Vec<String> =
+            lp.top_logprobs.iter().map(|t| format!("{} {:.4}", t.token_id, t.logprob)).collect();
+        println!("-- token {} logprob {:.4}  top: {}", lp.token_id, lp.logprob, top.join(", "));
     }
     if let Some(s) = &response.speculative {
         println!(
@@ -226,6 +246,10 @@ fn print_json(response: &pb::GenerateResponse) {
     let value = serde_json::json!({
         "text": response.text,
         "token_ids": response.token_ids,
+        "logprobs": response.logprobs.iter().map(|lp| serde_json::json!({
+            "token_id": lp.token_id, "logprob": lp.logprob,
+            "top_logprobs": lp.top_logprobs.iter().map(|t| serde_json::json!({"token_id": t.token_id, "logprob": t.logprob})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
         "finish_reason": pb::FinishReason::try_from(response.finish_reason).map(|f| f.as_str_name()).unwrap_or("?"),
         "usage": {"prompt_tokens": usage.prompt_tokens, "image_tokens": usage.image_tokens, "generated_tokens": usage.generated_tokens},
         "timings": {"prefill_ms": timings.prefill_ms, "decode_ms": timings.decode_ms, "decode_tokens_per_second": timings.decode_tokens_per_second},

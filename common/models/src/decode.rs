@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
+use crate::readout::{read_rows, Reads, TokenLogprob};
 use crate::sampling::{Draw, Sampling};
 use crate::{LogitRows, ModelError, StepInput, TargetModel};
 
@@ -50,6 +51,8 @@ pub enum FinishKind {
 
 pub struct Generation {
     pub tokens: Vec<i64>,
+    /// Each token's log-probability, when `logprobs` was asked for (else empty).
+    pub logprobs: Vec<TokenLogprob>,
     pub finish: FinishKind,
     /// Vision tower + prefill forward + first token.
     pub prefill_time: Duration,
@@ -62,6 +65,16 @@ pub struct GreedyParams<'a> {
     pub eos_token_ids: &'a [i64],
     /// Total positions the cache may hold (prompt + generated).
     pub context_limit: usize,
+    /// Report each token's log-probability with this many most likely alternatives (see
+    /// [`crate::readout`]); `None`: no log-probabilities.
+    pub logprobs: Option<usize>,
+}
+
+/// A token as it is committed, with its log-probability when the request asked for it.
+#[derive(Clone, Copy, Debug)]
+pub struct Emitted<'a> {
+    pub token: i64,
+    pub logprob: Option<&'a TokenLogprob>,
 }
 
 impl GreedyParams<'_> {
@@ -84,20 +97,20 @@ pub fn greedy_generate(
     model: &TargetModel,
     inputs: &ModelInputs,
     params: &GreedyParams,
-    on_token: impl FnMut(i64) -> StepControl,
+    on_token: impl FnMut(Emitted<'_>) -> StepControl,
 ) -> Result<Generation, ModelError> {
     generate(model, inputs, params, &Sampling::GREEDY, on_token)
 }
 
 /// Autoregressive decoding, greedy or sampled: generated token `i` is the argmax, or the draw
 /// with `sampling`'s uniform of index `i` (see [`crate::sampling`]). `on_token` sees each new
-/// token as soon as it is chosen.
+/// token as soon as it is chosen, with its log-probability when `params` asks for them.
 pub fn generate(
     model: &TargetModel,
     inputs: &ModelInputs,
     params: &GreedyParams,
     sampling: &Sampling,
-    mut on_token: impl FnMut(i64) -> StepControl,
+    mut on_token: impl FnMut(Emitted<'_>) -> StepControl,
 ) -> Result<Generation, ModelError> {
     let _no_grad = tch::no_grad_guard();
     let started = Instant::now();
@@ -107,16 +120,20 @@ pub fn generate(
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let logits = prefill(model, inputs, &mut cache)?;
     drop(prefill_span);
-    let mut next = choose_last(&logits, sampling, 0);
+    let reads = Reads { entropy: false, logprobs: params.logprobs };
+    let (mut next, mut logprob) = read_last(&logits, sampling, 0, reads);
     let prefill_time = started.elapsed();
     let decode_started = Instant::now();
     let mut tokens = Vec::with_capacity(params.max_new_tokens);
+    let mut logprobs = Vec::new();
     let finish = loop {
         tokens.push(next);
+        logprobs.extend(logprob.take());
         if params.eos_token_ids.contains(&next) {
             break FinishKind::Eos;
         }
-        if on_token(next) == StepControl::Stop {
+        let emitted = Emitted { token: next, logprob: logprobs.last() };
+        if on_token(emitted) == StepControl::Stop {
             break FinishKind::Stopped;
         }
         if tokens.len() >= params.max_new_tokens {
@@ -126,10 +143,10 @@ pub fn generate(
             break FinishKind::Context;
         }
         let out = forward_token(model, &mut cache, next, inputs.rope_delta, &[])?;
-        next =
-            choose_last(out.logits.as_ref().expect("logits were requested"), sampling, tokens.len() as u64);
+        let logits = out.logits.as_ref().expect("logits were requested");
+        (next, logprob) = read_last(logits, sampling, tokens.len() as u64, reads);
     };
-    Ok(Generation { tokens, finish, prefill_time, decode_time: decode_started.elapsed() })
+    Ok(Generation { tokens, logprobs, finish, prefill_time, decode_time: decode_started.elapsed() })
 }
 
 /// One decode step: `token` forwarded at the next position (M-RoPE decode positions are the
@@ -239,16 +256,19 @@ pub fn teacher_forced(
     Ok(TeacherForced { prompt_logits, prompt_states, continuation: Some(continuation) })
 }
 
-/// The token chosen from the last row of `logits`: its argmax, or the draw of generated index
-/// `index` (one upload of its uniform, one read-back).
-pub fn choose_last(logits: &Tensor, sampling: &Sampling, index: u64) -> i64 {
-    if sampling.is_greedy() {
-        return argmax_last(logits);
-    }
+/// The token chosen from the last row of `logits` (its argmax, or the draw of generated index
+/// `index`) and its log-probability when `reads` asks: one upload of the uniform when sampling,
+/// one read-back.
+pub fn read_last(
+    logits: &Tensor,
+    sampling: &Sampling,
+    index: u64,
+    reads: Reads,
+) -> (i64, Option<TokenLogprob>) {
     let rows = logits.size()[0];
     let numerator = Draw { sampling: *sampling, index }.upload_single_row(logits.device());
-    let chosen = crate::sampling::choose(&logits.narrow(0, rows - 1, 1), sampling, numerator.as_ref());
-    crate::read_back(&chosen).int64_value(&[0])
+    let read = read_rows(&logits.narrow(0, rows - 1, 1), sampling, numerator.as_ref(), reads);
+    (read.choices[0], read.logprobs.into_iter().next())
 }
 
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).

@@ -1,8 +1,9 @@
 //! glance-models: the model library — target models in libtorch (the vision-language Qwen3-VL and
 //! Qwen2.5-VL, the text-only Llama and Qwen3; one file per family, the shared language model in
-//! `text`), loaded unchanged from
-//! Hugging Face model directories with their typed `config.json` (`config`), checkpoint reading
-//! (`weights`), the preallocated KV cache, greedy decoding (`decode`) and the sampler (`sampling`).
+//! `text`), loaded unchanged from Hugging Face model directories with their typed `config.json`
+//! (`config`), checkpoint reading (`weights`), the preallocated KV cache, decoding (`decode`), the
+//! sampler (`sampling`) and what a pass reads back per row (`readout`: the choice, the entropy, the
+//! log-probabilities).
 
 pub mod config;
 pub mod decode;
@@ -12,6 +13,7 @@ pub mod llama;
 pub mod qwen2_5_vl;
 pub mod qwen3;
 pub mod qwen3_vl;
+pub mod readout;
 pub mod sampling;
 pub mod text;
 pub mod weights;

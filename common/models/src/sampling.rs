@@ -127,9 +127,12 @@ pub fn choose(logits: &Tensor, sampling: &Sampling, numerators: Option<&Tensor>)
     let total = cdf.narrow(-1, vocab - 1, 1);
     let uniforms = numerators.to_kind(Kind::Float).unsqueeze(-1) / f64::from(1u32 << 24);
     // The first token whose cumulative mass exceeds u·total: the count of those that do not.
-    // A removed token adds no mass, so it is never the first to exceed it.
-    let below = cdf.le_tensor(&(uniforms * total));
-    below.sum_dim_intlist(-1, false, Kind::Int64).clamp_max(vocab - 1)
+    // A removed token adds no mass, so it is never the first to exceed it. When u·total rounds
+    // up to the total no token exceeds it: the last token with mass (the first reaching the
+    // total) is drawn, never a removed token after it.
+    let below = cdf.le_tensor(&(uniforms * &total)).sum_dim_intlist(-1, false, Kind::Int64);
+    let last_with_mass = cdf.lt_tensor(&total).sum_dim_intlist(-1, false, Kind::Int64);
+    below.minimum(&last_with_mass)
 }
 
 /// SplitMix64's finalizer: a bijection of u64 whose outputs pass BigCrush as a counter-based
@@ -189,6 +192,12 @@ mod tests {
             let token = choose(&logits(), &top2, Some(&Tensor::from_slice(&[numerator]))).int64_value(&[0]);
             assert!(token == 0 || token == 5, "{numerator}: {token}");
         }
+        // Nor when u·total reaches the total (here u = 1): the last token with mass is drawn, not
+        // the removed ones after it.
+        let top1 = Sampling { top_k: 1, ..s };
+        let first_is_top = Tensor::from_slice(&[3.0f32, 1.0, 0.0, 2.0]).view([1, 4]);
+        let token = choose(&first_is_top, &top1, Some(&Tensor::from_slice(&[1i64 << 24])));
+        assert_eq!(token.int64_value(&[0]), 0);
     }
 
     #[test]

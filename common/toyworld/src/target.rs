@@ -380,7 +380,8 @@ fn greedy_answer(model: &TargetModel, prompts: &PromptBuilder, s: &Sample) -> Op
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     let prompt = prompts.build(&s.messages()).ok()?;
     let inputs = prompt.model_inputs();
-    let params = GreedyParams { max_new_tokens: 80, eos_token_ids: &eos, context_limit: 4096 };
+    let params =
+        GreedyParams { max_new_tokens: 80, eos_token_ids: &eos, context_limit: 4096, logprobs: None };
     let ids = greedy_generate(model, &inputs, &params, |_| StepControl::Continue).ok()?.tokens;
     let text = prompts.decode(&ids.iter().map(|&t| t as u32).collect::<Vec<_>>(), true).ok()?;
     Some((ids, text))

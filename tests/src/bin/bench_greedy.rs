@@ -55,8 +55,12 @@ fn main() {
     let model = TargetModel::load(&model_dir, kind, tch::Device::Cpu).expect("model");
     let prompt = prompts.build(&messages).expect("prompt");
     let inputs = prompt.model_inputs();
-    let params =
-        GreedyParams { max_new_tokens: args.max_new_tokens, eos_token_ids: &[], context_limit: 1 << 20 };
+    let params = GreedyParams {
+        max_new_tokens: args.max_new_tokens,
+        eos_token_ids: &[],
+        context_limit: 1 << 20,
+        logprobs: None,
+    };
     let ours = || {
         let generation =
             greedy_generate(&model, &inputs, &params, |_| StepControl::Continue).expect("generate");

@@ -28,7 +28,7 @@ use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
 use glance_tests::process::ServiceProcess;
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
-use verifier_svc::speculative::{verify_round, Entropies, TreeMask};
+use verifier_svc::speculative::{verify_round, RoundReads, TreeMask};
 
 #[derive(Parser)]
 #[command(about = "Cost shape of a round: verify(n)/step, draft/step, bytes, and the transformers peer")]
@@ -303,9 +303,8 @@ fn verify(
     states: &Tensor,
     context: usize,
 ) {
-    let entropies = Entropies { root: false, next: true };
-    let verified =
-        verify_round(model, cache, mask, 0, 1, tree, taps, entropies, Draw::GREEDY).expect("verify");
+    let reads = RoundReads { next_entropy: true, ..RoundReads::default() };
+    let verified = verify_round(model, cache, mask, 0, 1, tree, taps, reads, Draw::GREEDY).expect("verify");
     let rows = verified.tap_rows.len() as i64;
     verified.tap_rows.write_into(&states.narrow(0, 0, rows));
     cache.truncate(context);
