@@ -101,16 +101,16 @@ fn distribution(logits: &tch::Tensor, sampling: &Sampling) -> Vec<(i64, f64)> {
     kept
 }
 
-/// Inverse-CDF draw of a uniform in [0, 1) from (token, probability) pairs.
-fn draw(dist: &[(i64, f64)], u: f64) -> i64 {
+/// Inverse-CDF draw of a uniform in [0, 1) from (outcome, probability) pairs.
+fn draw<T: Copy>(table: &[(T, f64)], u: f64) -> T {
     let mut mass = 0.0;
-    for &(token, p) in dist {
+    for &(outcome, p) in table {
         mass += p;
         if u < mass {
-            return token;
+            return outcome;
         }
     }
-    dist.last().expect("a token with mass").0
+    table.last().expect("an outcome with mass").0
 }
 
 /// SplitMix64 as the tests' own uniform source (independent of the product's seeded draws).
@@ -399,7 +399,7 @@ fn the_test_has_teeth() {
         (0..trials)
             .filter(|t| {
                 let mut rng = Rng(seed + t);
-                let counts = counts_of((0..samples()).map(|_| draw_outcome(&table, rng.uniform())));
+                let counts = counts_of((0..samples()).map(|_| draw(&table, rng.uniform())));
                 chi_square(&counts, &p).1 < ALPHA
             })
             .count() as u64
@@ -430,15 +430,4 @@ fn least_detectable_shift(p: &HashMap<Outcome, f64>, tv: f64) -> HashMap<Outcome
         .enumerate()
         .map(|(i, &(o, w))| (o, if i < split { w * (1.0 + tv / upper) } else { w * (1.0 - tv / lower) }))
         .collect()
-}
-
-fn draw_outcome(table: &[(Outcome, f64)], u: f64) -> Outcome {
-    let mut mass = 0.0;
-    for &(outcome, w) in table {
-        mass += w;
-        if u < mass {
-            return outcome;
-        }
-    }
-    table.last().expect("outcomes").0
 }
