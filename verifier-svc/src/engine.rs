@@ -280,7 +280,7 @@ impl Worker {
         if finish == FinishKind::Eos {
             // The end-of-sequence (or stop) token is reported as a token but adds no text.
             let eos_token = *generation.tokens.last().expect("EOS is a generated token");
-            let logprobs = job.logprobs.and(generation.logprobs.last().cloned()).into_iter().collect();
+            let logprobs = generation.logprobs.last().cloned().into_iter().collect();
             let chunk = Event::Chunk { text: String::new(), token_ids: vec![eos_token as u32], logprobs };
             let _ = job.events.blocking_send(chunk);
             if job.stop_token_ids.contains(&eos_token) {

@@ -13,7 +13,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::sampling::{choose, warped_scores, Sampling};
+use crate::sampling::{draw, warped_scores, Sampling};
 
 /// Most alternatives a token's log-probability may list (the API's limit, as OpenAI's).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -55,14 +55,20 @@ pub fn read_rows(
     reads: Reads,
 ) -> RowsRead {
     let rows = logits.size()[0] as usize;
-    let chosen = choose(logits, sampling, numerators);
+    // The processed scores, computed once for both the draw and the log-probabilities.
+    let scores = (!sampling.is_greedy()).then(|| warped_scores(logits, sampling));
+    let chosen = match (&scores, numerators) {
+        (Some(scores), Some(numerators)) => draw(scores, numerators),
+        _ => logits.argmax(-1, false),
+    };
     let mut packed = vec![chosen.to_kind(Kind::Float)];
     if reads.entropy {
         packed.push(entropies_nats(logits));
     }
     let top = reads.logprobs.map(|top| top.min(logits.size()[1] as usize));
     if let Some(top) = top {
-        let log_probs = log_probs(logits, sampling);
+        let source = scores.as_ref().unwrap_or(logits);
+        let log_probs = source.log_softmax(-1, Kind::Float);
         packed.push(log_probs.gather(-1, &chosen.unsqueeze(-1), false).view([-1]));
         if top > 0 {
             let (values, ids) = log_probs.topk(top as i64, -1, true, true);

@@ -121,7 +121,12 @@ pub fn choose(logits: &Tensor, sampling: &Sampling, numerators: Option<&Tensor>)
     let (Some(numerators), false) = (numerators, sampling.is_greedy()) else {
         return logits.argmax(-1, false);
     };
-    let probs = warped_scores(logits, sampling).softmax(-1, Kind::Float);
+    draw(&warped_scores(logits, sampling), numerators)
+}
+
+/// Each row's draw from processed `scores` (rows, vocab), as [`choose`] makes it.
+pub fn draw(scores: &Tensor, numerators: &Tensor) -> Tensor {
+    let probs = scores.softmax(-1, Kind::Float);
     let cdf = probs.cumsum(-1, Kind::Float);
     let vocab = cdf.size().last().copied().unwrap_or(1);
     let total = cdf.narrow(-1, vocab - 1, 1);
