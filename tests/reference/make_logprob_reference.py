@@ -6,7 +6,8 @@ Usage:  .venv/bin/python tests/reference/make_logprob_reference.py --fixtures DI
 For each tiny model made by make_reference.py / make_text_reference.py (DIR/<family>), one case's
 prompt is generated from with `generate(output_scores=True, return_dict_in_generate=True)`, EOS
 disabled, greedily and with two sampling settings (torch's own draws, seeded). Written:
-DIR/<family>/reference/logprobs.json with, per setting, the sampling options, the generated
+DIR/<family>/logprobs.json (beside reference/, whose JSON files are all
+parity cases) with, per setting, the sampling options, the generated
 tokens, `compute_transition_scores(normalize_logits=True)` (the chosen tokens' log-probabilities
 under the processed scores) and the top-5 of `log_softmax(scores)` per step (finite ones only).
 The Rust test decodes the greedy setting itself and compares tokens and values; the sampled
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         assert greedy == case["greedy_tokens"][:NEW_TOKENS], f"{family}: generate() left the case's greedy tokens"
         assert all(s["tokens"] != greedy for s in settings[1:]), f"{family}: a sampled setting drew the greedy tokens"
         out = {"case": case_name, "new_tokens": NEW_TOKENS, "top": TOP, "settings": settings}
-        (reference / "logprobs.json").write_text(json.dumps(out, indent=1) + "\n")
+        (model_dir / "logprobs.json").write_text(json.dumps(out, indent=1) + "\n")
         print(f"logprobs: {family}/{case_name}: {len(settings)} settings of {NEW_TOKENS} tokens")
     return 0
 
