@@ -30,15 +30,16 @@ pub fn modes(budgets: &[u32]) -> Vec<Mode> {
     modes
 }
 
-/// An output that differs from the autoregressive one: where, and the target's top-2 logit margin
-/// there (a tie or near-tie in bf16 is rounding, not a bug).
+/// An output that differs from the autoregressive one: where, and for greedy decoding the target's
+/// top-2 logit margin there (a tie or near-tie in bf16 is rounding, not a bug). A sampled output
+/// has no margin to report: its token is a draw, not an argmax.
 pub struct Divergence {
     /// Which prompt, as the report names it.
     pub prompt: String,
     pub mode: String,
     /// The first generated step that differs.
     pub step: usize,
-    pub margin: f64,
+    pub margin: Option<f64>,
 }
 
 impl Divergence {
@@ -76,17 +77,47 @@ pub fn divergence_section(divergences: &[Divergence]) -> String {
         divergences.len()
     );
     for d in divergences {
-        md += &format!("- prompt {} {}: step {}, margin {:.4}\n", d.prompt, d.mode, d.step, d.margin);
+        let margin = d.margin.map_or("sampled".to_string(), |m| format!("margin {m:.4}"));
+        md += &format!("- prompt {} {}: step {}, {margin}\n", d.prompt, d.mode, d.step);
     }
     md
 }
 
-/// The decoding options of a benchmark request in `mode` (round logs on, for the entropy law).
-pub fn decoding(mode: &Mode) -> pb::DecodingOptions {
+/// How a benchmark run chooses tokens: greedily (temperature 0) or by sampling at a temperature,
+/// each prompt with its own seed and that seed in every mode. Lossless speculative sampling
+/// commits exactly the draws autoregressive sampling makes with the same seed, so every mode must
+/// return the autoregressive tokens either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+}
+
+impl Sampling {
+    pub const GREEDY: Sampling = Sampling { temperature: 0.0 };
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// How reports name it.
+    pub fn label(&self) -> String {
+        if self.is_greedy() {
+            "greedy".into()
+        } else {
+            format!("temperature {}", self.temperature)
+        }
+    }
+}
+
+/// The decoding options of a benchmark request in `mode` (round logs on, for the entropy law),
+/// sampling with `seed` unless greedy.
+pub fn decoding(mode: &Mode, sampling: Sampling, seed: u64) -> pb::DecodingOptions {
     pb::DecodingOptions {
         mode: mode.mode as i32,
         tree_budget: mode.budget,
         log_rounds: true,
+        temperature: sampling.temperature,
+        seed: (!sampling.is_greedy()).then_some(seed),
         ..Default::default()
     }
 }

@@ -15,7 +15,7 @@ use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_spec::law::Round;
-use glance_tests::bench::{self, Cell, Divergence, Mode};
+use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
 use glance_tests::process::ServiceProcess;
 use serde_json::json;
 use tch::{Device, Kind};
@@ -39,6 +39,11 @@ struct Args {
     /// `f32` or `bf16`, for both services and the peer.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Sampling temperature (0: greedy). When sampling, prompt i is drawn with seed i in every
+    /// mode, so every mode must return the autoregressive tokens; transformers' greedy peer and
+    /// the top-2 margins then do not apply and are skipped.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
     #[arg(long, value_delimiter = ',', default_values_t = [7u32, 15, 31])]
     budgets: Vec<u32>,
     /// Only these modes (by report name, e.g. `autoregressive,tree-15`); autoregressive always runs.
@@ -71,12 +76,12 @@ fn user(text: &str) -> Vec<ChatMessage> {
     vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.to_string())] }]
 }
 
-fn request(prompt: &str, mode: &Mode, max_new: u32) -> pb::GenerateRequest {
+fn request(prompt: &str, mode: &Mode, max_new: u32, sampling: Sampling, seed: u64) -> pb::GenerateRequest {
     pb::GenerateRequest {
         messages: glance_tests::suite::to_proto(&user(prompt)),
         max_new_tokens: max_new,
         stop: vec![],
-        decoding: Some(bench::decoding(mode)),
+        decoding: Some(bench::decoding(mode, sampling, seed)),
     }
 }
 
@@ -94,7 +99,11 @@ fn selected_modes(args: &Args) -> Vec<Mode> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    let out = args.out.clone().unwrap_or_else(|| format!("bench-chat-{}", args.dtype));
+    let sampling = Sampling { temperature: args.temperature };
+    let out = args.out.clone().unwrap_or_else(|| match sampling.is_greedy() {
+        true => format!("bench-chat-{}", args.dtype),
+        false => format!("bench-chat-{}-t{}", args.dtype, args.temperature),
+    });
     let corpus =
         drafter_svc::sharegpt::read(&args.data).expect("the ShareGPT file (scripts/setup-real-model.sh)");
     let prompts: Vec<String> = corpus.held_out.into_iter().take(args.prompts + 1).map(|p| p.text).collect();
@@ -112,7 +121,8 @@ async fn main() {
     let verifier = ServiceProcess::verifier_with_env(&args.model, &verifier_args, &env);
     let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
     for mode in &modes {
-        client.generate(request(warm_up, mode, args.max_new_tokens)).await.expect("warm-up");
+        let warm = request(warm_up, mode, args.max_new_tokens, sampling, u64::MAX);
+        client.generate(warm).await.expect("warm-up");
     }
     let bar = indicatif::ProgressBar::new((prompts.len() * modes.len()) as u64);
     let mut cells = vec![Cell::default(); modes.len()];
@@ -120,7 +130,8 @@ async fn main() {
     let mut diverged: Vec<(usize, String, usize)> = Vec::new();
     for (p, prompt) in prompts.iter().enumerate() {
         for (m, mode) in modes.iter().enumerate() {
-            let r = client.generate(request(prompt, mode, args.max_new_tokens)).await.expect("generate");
+            let asked = request(prompt, mode, args.max_new_tokens, sampling, p as u64);
+            let r = client.generate(asked).await.expect("generate");
             let r = r.into_inner();
             if m == 0 {
                 ar_tokens.push(r.token_ids.clone());
@@ -154,13 +165,23 @@ fn write_report(prefix: &str, json: &serde_json::Value, md: &str) {
 }
 
 /// The target's top-2 logit margin at each divergence, from one teacher-forced pass over the
-/// prompt and the autoregressive tokens before the step (in the benchmark's dtype).
+/// prompt and the autoregressive tokens before the step (in the benchmark's dtype); none when
+/// sampling.
 fn margins(
     args: &Args,
     prompts: &[String],
     ar: &[Vec<u32>],
     diverged: Vec<(usize, String, usize)>,
 ) -> Vec<Divergence> {
+    if args.temperature > 0.0 {
+        let unmeasured = |(prompt, mode, step): (usize, String, usize)| Divergence {
+            prompt: prompt.to_string(),
+            mode,
+            step,
+            margin: None,
+        };
+        return diverged.into_iter().map(unmeasured).collect();
+    }
     if diverged.is_empty() {
         return Vec::new();
     }
@@ -171,15 +192,16 @@ fn margins(
         .into_iter()
         .map(|(prompt, mode, step)| {
             let inputs = builder.build(&user(&prompts[prompt])).expect("prompt").model_inputs();
-            let margin = bench::top2_margin(&model, &inputs, &ar[prompt][..step]);
+            let margin = Some(bench::top2_margin(&model, &inputs, &ar[prompt][..step]));
             Divergence { prompt: prompt.to_string(), mode, step, margin }
         })
         .collect()
 }
 
-/// transformers' greedy `generate` on the same prompts (None: skipped or failed, said on stderr).
+/// transformers' greedy `generate` on the same prompts (None: skipped, as when sampling, or
+/// failed, said on stderr).
 fn peer(args: &Args, prompts: &[String]) -> Option<PeerRun> {
-    if args.peer_python == "off" {
+    if args.peer_python == "off" || args.temperature > 0.0 {
         return None;
     }
     let file = std::env::temp_dir().join(format!("bench-chat-prompts-{}.json", std::process::id()));
@@ -223,10 +245,11 @@ fn report(
     let ar = cells[0].ms_per_token();
     let model = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let mut md = format!(
-        "{model} ({}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service\n\n\
+        "{model} ({}, {}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service\n\n\
          | mode | tau | speed-up | ms/token | draft / hop / verify ms per round | rounds accepting depth 1 / 2 / 3 / 4 / 6 / 8 | identical to AR |\n\
          |---|---|---|---|---|---|---|\n",
         args.dtype,
+        Sampling { temperature: args.temperature }.label(),
         cells[0].prompts,
         args.max_new_tokens,
         args.threads_per_service
@@ -267,7 +290,7 @@ fn report(
     let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.dtype, &mut md));
     md += &bench::divergence_section(divergences);
     let json = json!({
-        "model": model, "dtype": args.dtype, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
+        "model": model, "dtype": args.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
         "threads_per_service": args.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
         "law_mode": law_name, "peer": peer_json,
         "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),

@@ -105,7 +105,10 @@ fn rss_mib(pid: u32) -> f64 {
 }
 
 fn request(prompt: &pb::GenerateRequest, mode: &Mode) -> pb::GenerateRequest {
-    pb::GenerateRequest { decoding: Some(bench::decoding(mode)), ..prompt.clone() }
+    pb::GenerateRequest {
+        decoding: Some(bench::decoding(mode, bench::Sampling::GREEDY, 0)),
+        ..prompt.clone()
+    }
 }
 
 /// One request as client `client`'s `n`-th: unary or streaming, and every fifth stream dropped

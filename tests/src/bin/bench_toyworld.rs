@@ -1,10 +1,12 @@
 //! The toy-world benchmark: one command, one run, one process per service. For each task, held-out
 //! prompts (after a warm-up) decoded autoregressively, with the GLANCE tree at several budgets, the
-//! chain and prompt lookup; per task and geometric mean: tau pooled over rounds, speed-up (AR
-//! ms/token ÷ mode ms/token, decode window), accepted-per-depth histogram, round breakdown, mean
-//! root entropy, the per-prompt lossless check (every output that differs from the autoregressive
-//! one, with the target's top-2 margin there: in bf16 a verify pass and a one-row step may round
-//! differently), and the entropy-law fit. Writes JSON and markdown.
+//! chain and prompt lookup; greedily and at each sampling temperature asked for (each prompt with
+//! its own seed, the same in every mode). Per temperature, task and geometric mean: tau pooled over
+//! rounds, speed-up (AR ms/token ÷ mode ms/token, decode window), accepted-per-depth histogram,
+//! round breakdown, mean root entropy, the per-prompt lossless check (every output that differs
+//! from the autoregressive one with the same seed; for greedy decoding with the target's top-2
+//! margin there: in bf16 a verify pass and a one-row step may round differently), and the
+//! entropy-law fit. Writes JSON and markdown.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,7 +17,7 @@ use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_spec::law::Round;
-use glance_tests::bench::{self, Cell, Divergence, Mode};
+use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
 use glance_tests::process::ServiceProcess;
 use glance_toyworld::{sample, Split, Task};
 use serde_json::json;
@@ -34,11 +36,17 @@ struct Args {
     max_new_tokens: u32,
     #[arg(long, value_delimiter = ',', default_values_t = [15u32, 31, 63])]
     budgets: Vec<u32>,
-    /// The budget whose round logs feed the entropy law.
+    /// The budget whose round logs feed the entropy law (when not among --budgets: the last of them).
     #[arg(long, default_value_t = 31)]
     law_budget: u32,
+    /// Picks the held-out prompts and, when sampling, each prompt's seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Temperatures every mode runs at (0: greedy), each over the same prompts. A sampled run
+    /// gives each prompt its own seed and every mode that seed, so every mode must return the
+    /// autoregressive tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.0f32, 0.7, 1.0])]
+    temperatures: Vec<f32>,
     #[arg(long, default_value = "bench-toyworld.json")]
     json: PathBuf,
     #[arg(long, default_value = "bench-toyworld.md")]
@@ -51,7 +59,7 @@ struct Args {
     /// `f32`, `bf16` or `f16`, for both services (and the margins at divergences).
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// The entropy-law decile plot.
+    /// The entropy-law decile plot (of the greedy run, else the first).
     #[arg(long, default_value = "bench-toyworld-law.png")]
     plot: PathBuf,
     /// Off-distribution prompts: text-only requests the head never saw in training, each decoded
@@ -70,13 +78,32 @@ const OFF_DISTRIBUTION_PROMPTS: &[&str] = &[
     "Tell me a joke about a cat and a dog.",
 ];
 
-fn request(s: &glance_toyworld::Sample, mode: &Mode, max_new: u32) -> pb::GenerateRequest {
+fn request(
+    s: &glance_toyworld::Sample,
+    mode: &Mode,
+    max_new: u32,
+    sampling: Sampling,
+    seed: u64,
+) -> pb::GenerateRequest {
     pb::GenerateRequest {
         messages: glance_tests::suite::to_proto(&s.messages()),
         max_new_tokens: max_new,
         stop: vec![],
-        decoding: Some(bench::decoding(mode)),
+        decoding: Some(bench::decoding(mode, sampling, seed)),
     }
+}
+
+/// One prompt's sampling seed: distinct per task and prompt, the same in every mode.
+fn prompt_seed(seed: u64, task: usize, index: u64) -> u64 {
+    seed.wrapping_mul(1 << 40).wrapping_add((task as u64) << 32).wrapping_add(index)
+}
+
+/// Every task's prompts in every mode at one temperature.
+struct Run {
+    sampling: Sampling,
+    /// By (task, mode).
+    cells: BTreeMap<(usize, usize), Cell>,
+    diverged: Vec<Diverged>,
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -98,19 +125,60 @@ async fn main() {
     let modes = bench::modes(&args.budgets);
     let warm_up = sample(Split::HeldOut, Task::Doc, args.seed, 10_000);
     for mode in &modes {
-        client.generate(request(&warm_up, mode, args.max_new_tokens)).await.expect("warm-up");
+        let warm = request(&warm_up, mode, args.max_new_tokens, Sampling::GREEDY, 0);
+        client.generate(warm).await.expect("warm-up");
     }
-    let bar = indicatif::ProgressBar::new(Task::ALL.len() as u64 * args.prompts * modes.len() as u64);
+    let total = args.temperatures.len() * Task::ALL.len() * args.prompts as usize * modes.len();
+    let bar = indicatif::ProgressBar::new(total as u64);
+    let mut runs = Vec::new();
+    for &temperature in &args.temperatures {
+        runs.push(run(&args, &mut client, &modes, Sampling { temperature }, &bar).await);
+    }
+    bar.finish_and_clear();
+    let text = off_distribution(&args, &mut client, &modes).await;
+    let plotted = runs.iter().position(|r| r.sampling.is_greedy()).unwrap_or(0);
+    let mut json_runs = Vec::new();
+    let mut md = String::new();
+    for (i, run) in runs.into_iter().enumerate() {
+        let divergences = margins(&args, run.diverged, run.sampling);
+        let (mut json, section) = report(&args, &modes, run.sampling, &run.cells, i == plotted);
+        json["divergences"] = divergences.iter().map(Divergence::json).collect();
+        md += &section;
+        md += &bench::divergence_section(&divergences);
+        json_runs.push(json);
+    }
+    let mut report = json!({
+        "runs": json_runs, "dtype": args.dtype, "prompts_per_task": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+    });
+    if let Some((json, text_md)) = text {
+        report["off_distribution"] = json;
+        md += &text_md;
+    }
+    std::fs::write(&args.json, serde_json::to_string_pretty(&report).unwrap()).expect("json");
+    std::fs::write(&args.markdown, &md).expect("markdown");
+    println!("{md}");
+}
+
+/// Every task's held-out prompts in every mode at one temperature; each output is checked against
+/// the autoregressive one of the same prompt (and seed).
+async fn run(
+    args: &Args,
+    client: &mut GenerationClient<tonic::transport::Channel>,
+    modes: &[Mode],
+    sampling: Sampling,
+    bar: &indicatif::ProgressBar,
+) -> Run {
     let mut cells: BTreeMap<(usize, usize), Cell> = BTreeMap::new();
     let mut diverged = Vec::new();
     for (t, &task) in Task::ALL.iter().enumerate() {
         for index in 0..args.prompts {
             let s = sample(Split::HeldOut, task, args.seed, index);
+            let seed = prompt_seed(args.seed, t, index);
             let mut reference: Option<Vec<u32>> = None;
             for (m, mode) in modes.iter().enumerate() {
-                let response =
-                    client.generate(request(&s, mode, args.max_new_tokens)).await.expect("generate");
-                let r = response.into_inner();
+                let asked = request(&s, mode, args.max_new_tokens, sampling, seed);
+                let r = client.generate(asked).await.expect("generate").into_inner();
                 let cell = cells.entry((t, m)).or_default();
                 let ar = reference.get_or_insert_with(|| r.token_ids.clone());
                 if !cell.record(&r, ar) {
@@ -122,29 +190,20 @@ async fn main() {
             }
         }
     }
-    bar.finish_and_clear();
-    let divergences = margins(&args, diverged);
-    let text = off_distribution(&args, &mut client, &modes).await;
-    let mut report = report(&args, &modes, &cells);
-    report.0["divergences"] = divergences.iter().map(Divergence::json).collect();
-    report.0["dtype"] = args.dtype.clone().into();
-    report.1 += &bench::divergence_section(&divergences);
-    if let Some((json, md)) = text {
-        report.0["off_distribution"] = json;
-        report.1 += &md;
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&report.0).unwrap()).expect("json");
-    std::fs::write(&args.markdown, &report.1).expect("markdown");
-    println!("{}", report.1);
+    Run { sampling, cells, diverged }
 }
 
 /// An output that differs from the autoregressive one: the prompt's label and messages, the
 /// autoregressive tokens before the step, the mode and the step.
 type Diverged = (String, Vec<glance_input::ChatMessage>, Vec<u32>, String, usize);
 
-/// The target's top-2 margin at each divergence, in the run's dtype, on the tests' device
-/// (`GLANCE_TEST_DEVICE`).
-fn margins(args: &Args, diverged: Vec<Diverged>) -> Vec<Divergence> {
+/// The target's top-2 margin at each divergence of a greedy run, in the run's dtype, on the tests'
+/// device (`GLANCE_TEST_DEVICE`); a sampled run's divergences have none.
+fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Divergence> {
+    if !sampling.is_greedy() {
+        let unmeasured = |(prompt, _, _, mode, step)| Divergence { prompt, mode, step, margin: None };
+        return diverged.into_iter().map(unmeasured).collect();
+    }
     if diverged.is_empty() {
         return Vec::new();
     }
@@ -155,13 +214,13 @@ fn margins(args: &Args, diverged: Vec<Diverged>) -> Vec<Divergence> {
         .into_iter()
         .map(|(prompt, messages, prefix, mode, step)| {
             let inputs = builder.build(&messages).expect("prompt").model_inputs();
-            let margin = bench::top2_margin(&model, &inputs, &prefix);
+            let margin = Some(bench::top2_margin(&model, &inputs, &prefix));
             Divergence { prompt, mode, step, margin }
         })
         .collect()
 }
 
-/// The off-distribution check: text-only prompts, `ignore_eos`, every mode; per mode tau and the
+/// The off-distribution check (greedy): text-only prompts, `ignore_eos`, every mode; per mode tau and the
 /// speed-up over autoregressive (ms/token pooled over the prompts), and whether every output was
 /// identical to the autoregressive one.
 async fn off_distribution(
@@ -185,7 +244,10 @@ async fn off_distribution(
                 messages: messages.clone(),
                 max_new_tokens: args.text_tokens,
                 stop: vec![],
-                decoding: Some(pb::DecodingOptions { ignore_eos: true, ..bench::decoding(mode) }),
+                decoding: Some(pb::DecodingOptions {
+                    ignore_eos: true,
+                    ..bench::decoding(mode, Sampling::GREEDY, 0)
+                }),
             };
             let r = client.generate(request).await.expect("generate").into_inner();
             cells[m].record(&r, reference.get_or_insert_with(|| r.token_ids.clone()));
@@ -206,14 +268,22 @@ async fn off_distribution(
     Some((json!({"prompts": OFF_DISTRIBUTION_PROMPTS, "tokens": args.text_tokens, "modes": json_modes}), md))
 }
 
-/// JSON and the markdown table.
+/// One temperature's JSON and markdown section (its table and entropy law; the decile plot when
+/// `plot`).
 fn report(
     args: &Args,
     modes: &[Mode],
+    sampling: Sampling,
     cells: &BTreeMap<(usize, usize), Cell>,
+    plot: bool,
 ) -> (serde_json::Value, String) {
-    let law_mode = modes.iter().position(|m| m.name == format!("tree-{}", args.law_budget));
-    let mut md = String::from("| task | mean H (nats) | ");
+    // The law's budget, else the largest tree run.
+    let law_mode = modes
+        .iter()
+        .position(|m| m.name == format!("tree-{}", args.law_budget))
+        .or_else(|| modes.iter().rposition(|m| m.mode == pb::DecodingMode::SpeculativeTree));
+    let seeds = if sampling.is_greedy() { "" } else { ", each prompt with its own seed in every mode" };
+    let mut md = format!("\n#### {}{seeds}\n\n| task | mean H (nats) | ", sampling.label());
     md += &modes.iter().map(|m| format!("{} tau / speed-up", m.name)).collect::<Vec<_>>().join(" | ");
     md += " | lossless |\n|---|---|";
     md += &"---|".repeat(modes.len() + 1);
@@ -248,10 +318,12 @@ fn report(
     }
     md += " |\n";
     md += &law_table(&per_task_logs, &pooled);
-    if let Err(e) = plot(&args.plot, &per_task_logs, &pooled) {
-        eprintln!("bench_toyworld: no plot: {e}");
+    if plot {
+        if let Err(e) = law_plot(&args.plot, &per_task_logs, &pooled) {
+            eprintln!("bench_toyworld: no plot: {e}");
+        }
     }
-    let value = json!({"tasks": json_tasks, "pooled_law": bench::law_json(&pooled), "prompts_per_task": args.prompts, "max_new_tokens": args.max_new_tokens});
+    let value = json!({"temperature": sampling.temperature, "tasks": json_tasks, "pooled_law": bench::law_json(&pooled)});
     (value, md)
 }
 
@@ -261,7 +333,7 @@ fn law_table(per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> String {
     bench::law_table(rows)
 }
 /// The decile plot: one curve per task and the pooled one, each with its finite-horizon fit.
-fn plot(path: &std::path::Path, per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> Result<(), String> {
+fn law_plot(path: &std::path::Path, per_task: &[(Task, Vec<Round>)], pooled: &[Round]) -> Result<(), String> {
     let named: Vec<(&str, &[Round])> =
         per_task.iter().map(|(t, l)| (t.name(), l.as_slice())).chain([("pooled", pooled)]).collect();
     bench::law_plot(path, "accepted length vs target entropy (toy world, glance tree)", &named)
