@@ -72,7 +72,8 @@ struct ServeArgs {
     #[arg(long, env = "GLANCE_DRAFTER_MAX_CONTEXT", default_value_t = 32768)]
     max_context: usize,
     /// Draft sessions (generations) open at once; more are refused with RESOURCE_EXHAUSTED and the
-    /// verifier decodes them without a drafter. Each holds a thread and a draft KV cache.
+    /// verifier decodes them without a drafter. Each holds a draft KV cache, and the runtime has a
+    /// worker thread per session (a session drafts on the worker that received its request).
     #[arg(long, env = "GLANCE_DRAFTER_MAX_SESSIONS", default_value_t = 64)]
     max_sessions: usize,
     /// A session that receives nothing for this long is closed and its cache freed (an abandoned
@@ -207,21 +208,27 @@ struct TrainArgs {
     threads: Option<i32>,
 }
 
-#[tokio::main]
-async fn main() {
-    let telemetry = match glance_telemetry::init("drafter-svc") {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("drafter-svc: {e}");
-            std::process::exit(1);
-        }
-    };
-    let result = match Cli::parse().command {
-        Command::Serve(args) => serve(args).await,
-        Command::Init(args) => init(args),
-        Command::Train(args) => train(args),
-    };
-    telemetry.shutdown();
+fn main() {
+    let command = Cli::parse().command;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Serve(args) = &command {
+        // Sessions draft on the runtime's workers (see `service::worker_threads`).
+        runtime.worker_threads(drafter_svc::service::worker_threads(args.max_sessions));
+    }
+    let runtime = runtime.enable_all().build().unwrap_or_else(|e| {
+        eprintln!("drafter-svc: cannot start the runtime: {e}");
+        std::process::exit(1);
+    });
+    let result = runtime.block_on(async {
+        let telemetry = glance_telemetry::init("drafter-svc").map_err(|e| e.to_string())?;
+        let result = match command {
+            Command::Serve(args) => serve(args).await,
+            Command::Init(args) => init(args),
+            Command::Train(args) => train(args),
+        };
+        telemetry.shutdown();
+        result
+    });
     if let Err(e) = result {
         eprintln!("drafter-svc: {e}");
         std::process::exit(1);

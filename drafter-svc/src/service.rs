@@ -1,6 +1,6 @@
 //! The internal `glance.drafter.v1.Drafter` gRPC service: a handshake that states what this drafter is
 //! (and refuses a verifier whose target it was not built for), and one bidirectional stream per
-//! generation whose session runs on its own thread. The peer is not trusted: every message is
+//! generation whose session drafts on the runtime worker that received its request. The peer is not trusted: every message is
 //! checked before it reaches the engine (tokens inside the vocabulary, positions inside the context
 //! limit, tensors the codec accepts), a panic in a session becomes an INTERNAL status instead of a
 //! silently ended stream, sessions are admitted up to a limit, and an idle one is closed.
@@ -22,7 +22,7 @@ use crate::metrics as names;
 /// What one drafter-svc admits.
 #[derive(Clone, Copy, Debug)]
 pub struct SessionLimits {
-    /// Draft sessions open at once (each holds a thread and a draft KV cache).
+    /// Draft sessions open at once (each holds a draft KV cache, and a runtime worker while it drafts).
     pub max_sessions: usize,
     /// Context positions one session may hold.
     pub max_context: usize,
@@ -95,44 +95,34 @@ impl pb::drafter_server::Drafter for DrafterService {
         let inbound = request.into_inner();
         let (replies, stream) = mpsc::channel(4);
         let session = self.engine.new_session();
-        let checks = self.checks;
-        let runtime = tokio::runtime::Handle::current();
-        let requests = Requests { inbound, runtime, idle_timeout: checks.limits.idle_timeout };
-        // The session (and its draft KV cache) lives on this thread until the stream ends. The
-        // thread reads the stream itself: a request wakes it straight from the connection's task,
-        // with no forwarding task and queue in between (one thread hand-off less per round).
-        std::thread::Builder::new()
-            .name("draft-session".into())
-            .spawn(move || run_session(session, requests, replies, checks, span, permit))
-            .map_err(|e| Status::resource_exhausted(format!("cannot start a draft session: {e}")))?;
+        // The session is a task of this runtime, not a thread of its own: a request wakes it on
+        // the worker that read the request off the connection, it drafts right there, and its
+        // reply leaves from that same thread. A session thread cost two thread hand-offs per round
+        // trip (connection → session → connection), about half the loopback hop. Drafting blocks
+        // the worker, so the runtime has a worker per admitted session and spares for I/O
+        // (`worker_threads`).
+        tokio::spawn(run_session(session, inbound, replies, self.checks, span, permit));
         Ok(Response::new(ReceiverStream::new(stream)))
     }
 }
 
-/// The draft stream's requests, read on the session thread.
-struct Requests {
-    inbound: Streaming<pb::DraftRequest>,
-    runtime: tokio::runtime::Handle,
-    idle_timeout: Duration,
+/// Worker threads a drafter runtime needs: one per session that may be drafting at once, and two
+/// that never draft (the connections, health, handshakes, metrics).
+pub fn worker_threads(max_sessions: usize) -> usize {
+    max_sessions + 2
 }
 
-impl Iterator for Requests {
-    type Item = Result<pb::DraftRequest, Status>;
-
-    /// The next request; `None` once the verifier ends the stream. A message the transport
-    /// refused (too large, undecodable) is its status, and so is a session idle past the timeout.
-    fn next(&mut self) -> Option<Self::Item> {
-        let (idle_timeout, inbound) = (self.idle_timeout, &mut self.inbound);
-        // The timer is made inside the runtime (it needs its time driver).
-        let next =
-            self.runtime.block_on(async { tokio::time::timeout(idle_timeout, inbound.message()).await });
-        match next {
-            Ok(message) => message.transpose(),
-            Err(_) => Some(Err(Status::deadline_exceeded(format!(
-                "draft session idle for {:?}: closed (--session-idle-timeout-s)",
-                self.idle_timeout
-            )))),
-        }
+/// The next request; `None` once the verifier ends the stream. A message the transport refused
+/// (too large, undecodable) is its status, and so is a session idle past the timeout.
+async fn next_request(
+    inbound: &mut Streaming<pb::DraftRequest>,
+    idle_timeout: Duration,
+) -> Option<Result<pb::DraftRequest, Status>> {
+    match tokio::time::timeout(idle_timeout, inbound.message()).await {
+        Ok(message) => message.transpose(),
+        Err(_) => Some(Err(Status::deadline_exceeded(format!(
+            "draft session idle for {idle_timeout:?}: closed (--session-idle-timeout-s)"
+        )))),
     }
 }
 
@@ -145,63 +135,61 @@ struct Checks {
     limits: SessionLimits,
 }
 
-/// The session thread: every message answered in order until the stream ends or fails. A panic
-/// anywhere in it (the engine, the codec, libtorch) is answered as INTERNAL: the stream never just
-/// ends as if the verifier had closed it.
-fn run_session(
-    session: Box<dyn Session>,
-    requests: Requests,
+/// A session: every message answered in order until the stream ends or fails. After an error the
+/// stream's state is unknown, so it is reported and the session ends.
+async fn run_session(
+    mut session: Box<dyn Session>,
+    mut inbound: Streaming<pb::DraftRequest>,
     replies: mpsc::Sender<Result<pb::DraftResponse, Status>>,
     checks: Checks,
     span: tracing::Span,
     _permit: OwnedSemaphorePermit,
 ) {
-    let _no_grad = tch::no_grad_guard();
     metrics::gauge!(names::SESSIONS_OPEN).increment(1.0);
     let _closed = scopeguard(|| metrics::gauge!(names::SESSIONS_OPEN).decrement(1.0));
-    let answered = catch_unwind(AssertUnwindSafe(|| answer_all(session, requests, &replies, checks, &span)));
-    if let Err(panic) = answered {
+    while let Some(message) = next_request(&mut inbound, checks.limits.idle_timeout).await {
+        match message.and_then(|message| answer(session.as_mut(), message, checks, &span)) {
+            Ok(None) => {}
+            Ok(Some(response)) => {
+                metrics::counter!(names::ROUNDS).increment(1);
+                metrics::histogram!(names::DRAFT_LATENCY).record(response.draft_ms / 1e3);
+                if replies.send(Ok(response)).await.is_err() {
+                    return;
+                }
+            }
+            Err(status) => {
+                metrics::counter!(names::FAILED_ROUNDS).increment(1);
+                let _ = replies.send(Err(status)).await;
+                return;
+            }
+        }
+    }
+}
+
+/// One message, handled on this thread. A panic anywhere in it (the engine, the codec, libtorch)
+/// is answered as INTERNAL: the stream never just ends as if the verifier had closed it.
+fn answer(
+    session: &mut dyn Session,
+    message: pb::DraftRequest,
+    checks: Checks,
+    span: &tracing::Span,
+) -> Result<Option<pb::DraftResponse>, Status> {
+    let rows = message.context.as_ref().map_or(0, |c| c.tokens.len());
+    let round_span = tracing::info_span!(parent: span, "draft_round", rows);
+    let handled = catch_unwind(AssertUnwindSafe(|| {
+        // Grad mode is per thread, and the task may run on another worker each round.
+        let _no_grad = tch::no_grad_guard();
+        round_span.in_scope(|| handle(session, message, checks))
+    }));
+    handled.unwrap_or_else(|panic| {
         let reason = panic
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
         tracing::error!(%reason, "draft session panicked");
-        metrics::counter!(names::FAILED_ROUNDS).increment(1);
-        let _ = replies.blocking_send(Err(Status::internal(format!("draft session failed: {reason}"))));
-    }
-}
-
-fn answer_all(
-    mut session: Box<dyn Session>,
-    requests: Requests,
-    replies: &mpsc::Sender<Result<pb::DraftResponse, Status>>,
-    checks: Checks,
-    span: &tracing::Span,
-) {
-    for message in requests {
-        let answer = message.and_then(|message| {
-            let rows = message.context.as_ref().map_or(0, |c| c.tokens.len());
-            let round_span = tracing::info_span!(parent: span, "draft_round", rows);
-            round_span.in_scope(|| handle(session.as_mut(), message, checks))
-        });
-        match answer {
-            Ok(None) => {}
-            Ok(Some(response)) => {
-                metrics::counter!(names::ROUNDS).increment(1);
-                metrics::histogram!(names::DRAFT_LATENCY).record(response.draft_ms / 1e3);
-                if replies.blocking_send(Ok(response)).is_err() {
-                    return;
-                }
-            }
-            Err(status) => {
-                // The stream's state is unknown after an error: report it and end the session.
-                metrics::counter!(names::FAILED_ROUNDS).increment(1);
-                let _ = replies.blocking_send(Err(status));
-                return;
-            }
-        }
-    }
+        Err(Status::internal(format!("draft session failed: {reason}")))
+    })
 }
 
 /// Runs `f` when dropped.

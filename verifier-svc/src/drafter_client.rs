@@ -20,6 +20,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -554,7 +555,10 @@ impl DraftProvider for RemoteProvider {
         // The stream opens in the background (overlapping the target's prefill) and a task
         // collects its replies, stamped with their arrival: the verifier looks for a tree when it
         // suits it (between greedy steps), and the round trip is still measured to the arrival.
-        let (replies, inbox) = mpsc::channel(4);
+        // The inbox is a std channel: the engine thread waits on it with a plain timed futex wait,
+        // where a tokio timer would wake the runtime's driver thread to register it. It needs no
+        // bound: the drafter answers each round once.
+        let (replies, inbox) = std::sync::mpsc::channel();
         let reader = self.drafter.runtime.spawn(read_replies(client, request, replies));
         Some(Box::new(RemoteSession {
             drafter: Arc::clone(&self.drafter),
@@ -584,12 +588,12 @@ type Arrival = (Instant, Result<pb::DraftResponse, tonic::Status>);
 async fn read_replies(
     mut client: DrafterClient<Channel>,
     request: tonic::Request<tokio_stream::wrappers::ReceiverStream<pb::DraftRequest>>,
-    replies: mpsc::Sender<Arrival>,
+    replies: std::sync::mpsc::Sender<Arrival>,
 ) {
     let mut stream = match client.draft(request).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
-            let _ = replies.send((Instant::now(), Err(status))).await;
+            let _ = replies.send((Instant::now(), Err(status)));
             return;
         }
     };
@@ -600,7 +604,7 @@ async fn read_replies(
             Err(status) => Err(status),
         };
         let ended = reply.is_err();
-        if replies.send((Instant::now(), reply)).await.is_err() || ended {
+        if replies.send((Instant::now(), reply)).is_err() || ended {
             return;
         }
     }
@@ -610,7 +614,7 @@ struct RemoteSession {
     drafter: Arc<RemoteDrafter>,
     outbound: mpsc::Sender<pb::DraftRequest>,
     /// Replies as they arrive (see [`read_replies`]).
-    inbox: mpsc::Receiver<Arrival>,
+    inbox: std::sync::mpsc::Receiver<Arrival>,
     reader: tokio::task::JoinHandle<()>,
     /// When the round in flight was sent.
     sent: Option<Instant>,
@@ -625,7 +629,45 @@ impl Drop for RemoteSession {
     }
 }
 
+/// Why a round's messages were not queued.
+enum Queued {
+    Closed,
+    Timeout,
+}
+
 impl RemoteSession {
+    /// Queues a round's messages for the stream. The queue is almost never full (it fills only
+    /// while the stream is back-pressured), so each message is tried without waiting first: no
+    /// timer, whose registration would wake the runtime's driver thread. A full queue is waited on
+    /// up to the round deadline.
+    fn enqueue(&self, messages: Vec<pb::DraftRequest>) -> Result<(), Queued> {
+        let mut pending = messages.into_iter();
+        while let Some(message) = pending.next() {
+            match self.outbound.try_send(message) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(Queued::Closed),
+                Err(mpsc::error::TrySendError::Full(message)) => {
+                    return self.enqueue_waiting(std::iter::once(message).chain(pending).collect())
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn enqueue_waiting(&self, messages: Vec<pb::DraftRequest>) -> Result<(), Queued> {
+        let (outbound, deadline) = (self.outbound.clone(), self.drafter.round_deadline);
+        let queued = self.drafter.runtime.block_on(async move {
+            tokio::time::timeout(deadline, async move {
+                for message in messages {
+                    outbound.send(message).await.map_err(|_| Queued::Closed)?;
+                }
+                Ok(())
+            })
+            .await
+        });
+        queued.unwrap_or(Err(Queued::Timeout))
+    }
+
     /// The context rows as messages: all but the last are context-only chunks.
     fn context_messages(&self, round: &DraftRound) -> Vec<pb::ContextRows> {
         let rows = round.tokens.len();
@@ -674,21 +716,10 @@ impl DraftSession for RemoteSession {
         }
         self.bytes_sent += messages.iter().map(|m| prost::Message::encoded_len(m) as u64).sum::<u64>();
         let sent = Instant::now();
-        let (outbound, deadline) = (self.outbound.clone(), self.drafter.round_deadline);
-        // The queue only fills while the stream is back-pressured: bounded by the round deadline.
-        let queued = self.drafter.runtime.block_on(async move {
-            tokio::time::timeout(deadline, async move {
-                for message in messages {
-                    outbound.send(message).await.map_err(|_| ())?;
-                }
-                Ok::<(), ()>(())
-            })
-            .await
-        });
-        match queued {
-            Ok(Ok(())) => {}
-            Ok(Err(())) => return Err(DraftFailure::Unavailable("draft stream closed".into())),
-            Err(_) => return Err(DraftFailure::Timeout),
+        match self.enqueue(messages) {
+            Ok(()) => {}
+            Err(Queued::Closed) => return Err(DraftFailure::Unavailable("draft stream closed".into())),
+            Err(Queued::Timeout) => return Err(DraftFailure::Timeout),
         }
         self.sent = Some(sent);
         self.context_len = round.root_position;
@@ -700,10 +731,10 @@ impl DraftSession for RemoteSession {
         let deadline = sent + self.drafter.round_deadline;
         let arrival = match self.inbox.try_recv() {
             Ok(arrival) => arrival,
-            Err(mpsc::error::TryRecvError::Disconnected) => {
+            Err(TryRecvError::Disconnected) => {
                 return Err(DraftFailure::Unavailable("draft stream ended".into()))
             }
-            Err(mpsc::error::TryRecvError::Empty) => {
+            Err(TryRecvError::Empty) => {
                 let now = Instant::now();
                 if now >= deadline {
                     return Err(DraftFailure::Timeout);
@@ -711,15 +742,15 @@ impl DraftSession for RemoteSession {
                 if wait.is_zero() {
                     return Ok(None);
                 }
-                let limit = (deadline - now).min(wait);
-                let inbox = &mut self.inbox;
-                let received =
-                    self.drafter.runtime.block_on(async { tokio::time::timeout(limit, inbox.recv()).await });
-                match received {
-                    Ok(Some(arrival)) => arrival,
-                    Ok(None) => return Err(DraftFailure::Unavailable("draft stream ended".into())),
-                    Err(_) if Instant::now() >= deadline => return Err(DraftFailure::Timeout),
-                    Err(_) => return Ok(None),
+                match self.inbox.recv_timeout((deadline - now).min(wait)) {
+                    Ok(arrival) => arrival,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Err(DraftFailure::Unavailable("draft stream ended".into()))
+                    }
+                    Err(RecvTimeoutError::Timeout) if Instant::now() >= deadline => {
+                        return Err(DraftFailure::Timeout)
+                    }
+                    Err(RecvTimeoutError::Timeout) => return Ok(None),
                 }
             }
         };

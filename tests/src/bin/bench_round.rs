@@ -14,7 +14,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use drafter_svc::engines::BlockHeadEngine;
@@ -175,9 +175,17 @@ fn main() {
     let mut markdown = markdown(&cells, &args);
     if let Some(hop) = &hop {
         markdown.push_str(&format!(
-            "\nHop (toy head in drafter-svc on loopback, {} rounds of {} context rows): median {:.3} ms, \
-             p90 {:.3} ms per round (round trip minus the drafter's own time), {} bytes sent per round.\n",
-            hop.rounds, args.rows_per_round, hop.median_ms, hop.p90_ms, hop.bytes_per_round
+            "\nHop (the verifier's drafter client to the toy head in drafter-svc on loopback, {} rounds of \
+             {} context rows; round trip minus the drafter's own time): median {:.3} ms, p90 {:.3} ms per \
+             round to the reply's arrival on the verifier's I/O thread (what the verifier reports), median \
+             {:.3} ms, p90 {:.3} ms to the waiting engine thread; {} bytes sent per round.\n",
+            hop.rounds,
+            args.rows_per_round,
+            hop.median_ms,
+            hop.p90_ms,
+            hop.engine_median_ms,
+            hop.engine_p90_ms,
+            hop.bytes_per_round
         ));
     }
     std::fs::write(&args.markdown, &markdown).expect("write markdown");
@@ -355,73 +363,87 @@ fn draft_pass_ms(args: &Args, model: &TargetModel, dims: &Dims, taps: &[usize]) 
     best_of(args.repeats, || round(&mut session, args.rows_per_round))
 }
 
-/// The hop of a round on loopback: a verifier-side stream to a drafter-svc process running the toy
-/// head, `rows_per_round` new context rows (f32 tap states) plus a round request per message.
+/// The hop of a round on loopback, through the verifier's own drafter client
+/// (`drafter_client::RemoteSession`) to a drafter-svc process running the toy head: each round
+/// sends `rows_per_round` new context rows (f32 tap states) and a round request from a plain
+/// thread, as the verifier's engine thread does, and waits for the tree.
 #[derive(Debug, serde::Serialize)]
 struct Hop {
     rounds: usize,
+    /// Round trip minus the drafter's own time, to the reply's arrival on the verifier's I/O
+    /// thread: the hop the verifier reports and its policy plans with.
     median_ms: f64,
     p90_ms: f64,
-    bytes_per_round: usize,
+    /// The same to the moment the waiting engine thread has the tree (one more thread wake-up).
+    engine_median_ms: f64,
+    engine_p90_ms: f64,
+    bytes_per_round: u64,
 }
 
 fn measure_hop(args: &Args) -> Hop {
     use glance_proto::drafter::v1 as dpb;
+    use verifier_svc::drafter_client::{RemoteDrafter, RemoteProvider, TargetDescription};
+    use verifier_svc::speculative::{DraftProvider, DraftRound};
     let drafter =
         ServiceProcess::block_head_drafter(&args.toy_head, &args.toy_target, &[("OMP_NUM_THREADS", "1")]);
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    runtime.block_on(async {
+    let info = runtime.block_on(async {
         let mut client =
             dpb::drafter_client::DrafterClient::connect(drafter.url.clone()).await.expect("connect");
-        let info = client.handshake(dpb::HandshakeRequest::default()).await.expect("handshake").into_inner();
-        let width = info.tap_layers.len() * info.hidden_size as usize;
-        let (outbound, requests) = tokio::sync::mpsc::channel(4);
-        let mut inbound = client
-            .draft(tokio_stream::wrappers::ReceiverStream::new(requests))
-            .await
-            .expect("stream")
-            .into_inner();
-        let message = |first: usize, rows: usize| {
-            let states = vec![0u8; rows * width * 4];
-            dpb::DraftRequest {
-                context: Some(dpb::ContextRows {
-                    first_position: first as u64,
-                    tokens: vec![1; rows],
-                    states: Some(dpb::TensorData {
-                        dtype: "f32".into(),
-                        shape: vec![rows as u64, width as u64],
-                        data: states.into(),
-                    }),
-                }),
-                round: Some(dpb::RoundRequest {
-                    root_token: 1,
-                    root_position: (first + rows) as u64,
-                    tree_budget: 31,
-                    branch_k: 8,
-                }),
+        client.handshake(dpb::HandshakeRequest::default()).await.expect("handshake").into_inner()
+    });
+    let width = (info.tap_layers.len() * info.hidden_size as usize) as i64;
+    let target = TargetDescription {
+        fingerprint: info.target_fingerprint.clone(),
+        hidden_size: info.hidden_size,
+        vocab_size: info.vocab_size,
+        num_layers: info.tap_layers.iter().max().map_or(1, |&l| l + 1),
+        kind: Kind::Float,
+    };
+    let remote =
+        RemoteDrafter::new(drafter.url.clone(), runtime.handle().clone(), target, Duration::from_secs(5));
+    runtime.block_on(remote.connect_now()).expect("the drafter fits");
+    let mut session = RemoteProvider::new(remote).expect("a handshake").open().expect("a draft stream");
+    let (mut position, mut hops, mut engine_hops, mut bytes) = (0, Vec::new(), Vec::new(), 0);
+    for round in 0..args.hop_rounds + 1 {
+        let rows = if round == 0 { args.context.min(256) } else { args.rows_per_round };
+        let states = Tensor::zeros([rows as i64, width], (Kind::Float, Device::Cpu));
+        let tokens = vec![1i64; rows];
+        let sent_before = session.bytes_sent();
+        let started = Instant::now();
+        let request = DraftRound {
+            first_position: position,
+            tokens: &tokens,
+            states: Some(&states),
+            root_token: 1,
+            root_position: position + rows,
+            budget: 31,
+            branch_k: 8,
+        };
+        session.send(request).expect("send");
+        let drafted = loop {
+            if let Some(drafted) = session.receive(Duration::from_secs(5)).expect("a tree") {
+                break drafted;
             }
         };
-        let mut position = 0;
-        let mut hops = Vec::new();
-        let mut bytes = 0;
-        for round in 0..args.hop_rounds + 1 {
-            let rows = if round == 0 { args.context.min(256) } else { args.rows_per_round };
-            let request = message(position, rows);
-            bytes = prost::Message::encoded_len(&request);
-            position += rows;
-            let started = Instant::now();
-            outbound.send(request).await.expect("send");
-            let reply = inbound.message().await.expect("reply").expect("a reply");
-            let hop = started.elapsed().as_secs_f64() * 1000.0 - reply.draft_ms;
-            if round > 0 {
-                hops.push(hop);
-            }
+        let to_engine = started.elapsed();
+        position += rows;
+        bytes = session.bytes_sent() - sent_before;
+        if round > 0 {
+            hops.push((drafted.round_trip.saturating_sub(drafted.draft_time)).as_secs_f64() * 1e3);
+            engine_hops.push((to_engine.saturating_sub(drafted.draft_time)).as_secs_f64() * 1e3);
         }
-        hops.sort_by(f64::total_cmp);
-        let at = |q: f64| hops[((hops.len() - 1) as f64 * q) as usize];
-        Hop { rounds: hops.len(), median_ms: at(0.5), p90_ms: at(0.9), bytes_per_round: bytes }
-    })
+    }
+    let (median_ms, p90_ms) = median_and_p90(&mut hops);
+    let (engine_median_ms, engine_p90_ms) = median_and_p90(&mut engine_hops);
+    Hop { rounds: hops.len(), median_ms, p90_ms, engine_median_ms, engine_p90_ms, bytes_per_round: bytes }
+}
+
+fn median_and_p90(values: &mut [f64]) -> (f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| values[((values.len() - 1) as f64 * q) as usize];
+    (at(0.5), at(0.9))
 }
 
 /// Milliseconds of the fastest of `repeats` runs after one warm-up.
