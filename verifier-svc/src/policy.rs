@@ -412,10 +412,20 @@ impl RoundPolicy {
         self.stats.overlapped_steps += 1;
     }
 
-    /// A tree that arrived after the overlapped steps had left it, or had passed its whole depth.
-    pub fn observe_stale_tree(&mut self) {
+    /// A tree that arrived after the overlapped steps had left it, or had passed its whole depth:
+    /// nothing of it is verified, but it is an observation all the same. Its path held the first
+    /// `followed` step tokens, so verified at once it would have accepted `followed` nodes; the
+    /// law and the recent commit learn that, or a drafter whose trees keep going stale would keep
+    /// being asked on the strength of older, verified rounds.
+    pub fn observe_stale_tree(&mut self, followed: usize, root_entropy: Option<f64>, horizon: usize) {
+        // A probe that went stale has been answered too.
+        self.explore = false;
         self.stats.stale_trees += 1;
-        self.first_accepted.observe(0.0);
+        self.first_accepted.observe(if followed == 0 { 0.0 } else { 1.0 });
+        self.recent_commit.observe((followed + 1) as f64);
+        if let Some(h) = root_entropy {
+            self.law.observe(h, followed, horizon);
+        }
     }
 
     /// After the drafter answered: how many of the tree's first nodes to verify (0: none, the round
@@ -627,6 +637,28 @@ mod tests {
         let probes = policy.stats.verified_rounds + policy.stats.declined_trees;
         assert!(policy.stats.greedy_steps > 300, "{:?}", policy.stats);
         assert!(probes < 40, "{:?}", policy.stats);
+    }
+
+    #[test]
+    fn trees_the_steps_keep_leaving_lead_to_greedy_steps() {
+        // Learnt on earlier requests: chains of 15 accepted whole.
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        simulate(&mut policy, 50, 15, 0.9, 15);
+        let mut policy = policy.for_new_request();
+        // Now (sampling, say) every tree's first node misses the step taken while it was drafted,
+        // so no tree is ever verified: only the stale trees can tell.
+        let mut asked = 0;
+        for round in 0..400 {
+            if policy.should_draft(Some(0.5), 15, 4) {
+                asked += 1;
+                policy.observe_draft(4, 0.0035);
+                policy.observe_stale_tree(0, Some(0.5), 15);
+            }
+            assert!(round < 40 || policy.stats.verified_rounds == 0);
+        }
+        assert_eq!(policy.stats.stale_trees, asked);
+        assert!(asked < 40, "{asked} rounds asked the drafter: {:?}", policy.stats);
+        assert!(policy.stats.greedy_steps > 350, "{:?}", policy.stats);
     }
 
     #[test]

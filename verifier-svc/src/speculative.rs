@@ -350,7 +350,9 @@ pub fn speculative_generate(
                     if valid(&drafted.tree, limits, &mut stats) {
                         greedy = Greedy::Declined;
                         let path = committed_since(&history, flight.root_position, root);
-                        round = to_verify(drafted.tree, &path, policy.as_deref_mut());
+                        let stepped =
+                            Stepped { path: &path, root_entropy: flight.root_entropy, horizon: max_depth };
+                        round = to_verify(drafted.tree, stepped, policy.as_deref_mut());
                     }
                 }
                 Err(e) => drafting.fail(&mut stats, e),
@@ -551,6 +553,8 @@ impl Retry {
 struct InFlight {
     /// Stream position of the round's root: greedy steps taken since committed the tokens after it.
     root_position: usize,
+    /// The target's entropy at that root, when known (what the policy predicted the round from).
+    root_entropy: Option<f64>,
     context_rows: usize,
     sent: Instant,
 }
@@ -643,8 +647,12 @@ impl Drafting {
                     match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec) {
                         Ok(()) => {
                             let sent = Instant::now();
-                            self.in_flight =
-                                Some(InFlight { root_position: ask.start, context_rows: rows, sent });
+                            self.in_flight = Some(InFlight {
+                                root_position: ask.start,
+                                root_entropy: ask.root_entropy,
+                                context_rows: rows,
+                                sent,
+                            });
                         }
                         Err(e) => self.fail(stats, e),
                     }
@@ -685,14 +693,23 @@ impl Drafting {
     }
 }
 
-/// What of a (valid) tree drafted at an earlier root to verify now that `path` has been
+/// The greedy steps taken past a tree's root while it was drafted: the tokens they committed, the
+/// target's entropy at that root and the deepest a tree may go.
+struct Stepped<'a> {
+    path: &'a [TokenId],
+    root_entropy: Option<f64>,
+    horizon: usize,
+}
+
+/// What of a (valid) tree drafted at an earlier root to verify now that `stepped.path` has been
 /// committed past that root: the subtree below the path, cut by the auto policy to the
 /// best-first prefix that pays. `None`: nothing (the steps left the tree or passed its depth, or
-/// the policy declined).
-fn to_verify(tree: Tree, path: &[TokenId], policy: Option<&mut RoundPolicy>) -> Option<Tree> {
-    match (tree.descend(path).filter(|t| !t.is_empty()), policy) {
+/// the policy declined). A tree the steps left still tells the policy how much of it held.
+fn to_verify(tree: Tree, stepped: Stepped, policy: Option<&mut RoundPolicy>) -> Option<Tree> {
+    let followed = tree.followed(stepped.path);
+    match (tree.descend(stepped.path).filter(|t| !t.is_empty()), policy) {
         (None, Some(p)) => {
-            p.observe_stale_tree();
+            p.observe_stale_tree(followed, stepped.root_entropy, stepped.horizon);
             None
         }
         (tree, None) => tree,

@@ -190,6 +190,19 @@ impl Tree {
         Some(below)
     }
 
+    /// How many tokens of `path` (a token per depth, from the root) the tree holds as a path:
+    /// what verifying it would have accepted had `path` been the target's choice.
+    pub fn followed(&self, path: &[TokenId]) -> usize {
+        let mut node: i32 = -1;
+        for (depth, &token) in path.iter().enumerate() {
+            match self.child(node, token) {
+                Some(child) => node = child as i32,
+                None => return depth,
+            }
+        }
+        path.len()
+    }
+
     /// The child of `parent` (−1: the root) carrying `token`, if the tree has one.
     fn child(&self, parent: i32, token: TokenId) -> Option<usize> {
         (0..self.len()).find(|&i| self.parents[i] == parent && self.tokens[i] == token)
@@ -375,6 +388,9 @@ mod tests {
         assert_eq!(tree.clone().descend(&[]).unwrap(), tree);
         // Off the tree: the greedy steps left it.
         assert_eq!(tree.clone().descend(&[2, 3]), None);
+        // How far steps followed it before leaving (or passing its depth).
+        assert_eq!([tree.followed(&[2, 3]), tree.followed(&[7]), tree.followed(&[1, 3, 5, 9])], [1, 0, 3]);
+        assert_eq!([tree.followed(&[1, 4]), tree.followed(&[])], [2, 0]);
         assert_eq!(tree.descend(&[7]), None);
     }
 
