@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fails when the crate graph says something false about the system (see README, Layout):
 #   1. the two services are independent programs: neither depends on the other;
-#   2. the client CLI builds without libtorch;
+#   2. the client CLI (and the transport security it shares with the services) builds without
+#      libtorch;
 #   3. the model library (glance-models, glance-input) needs neither tonic, the toy world nor
 #      training.
 # Normal (non-dev) dependencies only, each package resolved on its own as `cargo build -p` would.
@@ -28,6 +29,7 @@ forbid verifier-svc drafter-svc
 forbid drafter-svc verifier-svc
 forbid glance-client tch torch-sys glance-codec glance-models glance-spec
 forbid glance-proto tch torch-sys
+forbid glance-security tch torch-sys
 forbid glance-models tonic glance-proto glance-toyworld glance-train glance-input
 forbid glance-input tonic glance-proto glance-toyworld glance-train
 exit "$failed"

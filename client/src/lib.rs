@@ -7,7 +7,9 @@ use std::path::Path;
 
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
-use tonic::transport::Channel;
+use glance_security::{ClientTlsFiles, ClientTlsFlags, SecurityError};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
 
 pub use glance_proto::v1;
 
@@ -50,16 +52,69 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 pub enum ClientError {
     #[error("cannot connect to {addr}: {source}")]
     Connect { addr: String, source: tonic::transport::Error },
+    #[error("{addr}: {reason}")]
+    Address { addr: String, reason: String },
+    #[error(transparent)]
+    Security(#[from] SecurityError),
     #[error("{path}: {source}")]
     Image { path: String, source: std::io::Error },
 }
 
-/// Connects to a verifier-svc at `addr` (`http://host:port`).
-pub async fn connect(addr: &str) -> Result<GenerationClient<Channel>, ClientError> {
-    let client = GenerationClient::connect(addr.to_string())
-        .await
-        .map_err(|source| ClientError::Connect { addr: addr.to_string(), source })?;
-    Ok(client.max_decoding_message_size(MAX_MESSAGE_BYTES))
+/// How to reach a verifier-svc: its address (`http://host:port`, or `https://` with `tls`), and
+/// the API key it asks for, if any.
+#[derive(Clone, Debug, Default)]
+pub struct Server {
+    pub addr: String,
+    pub tls: ClientTlsFiles,
+    pub api_key: Option<String>,
+}
+
+/// A Generation client that sends the API key with every call.
+pub type Client = GenerationClient<InterceptedService<Channel, ApiKeyHeader>>;
+
+/// Adds `authorization: Bearer KEY` to every call (nothing without a key).
+#[derive(Clone, Debug)]
+pub struct ApiKeyHeader(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for ApiKeyHeader {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+impl Server {
+    /// The flags the `glance` command line reads the TLS files from.
+    pub const TLS_FLAGS: ClientTlsFlags =
+        ClientTlsFlags { ca: "--tls-ca", cert: "--tls-cert", key: "--tls-key" };
+
+    /// A channel to the server (TLS for an `https` address).
+    pub async fn channel(&self) -> Result<Channel, ClientError> {
+        let bad = |reason: String| ClientError::Address { addr: self.addr.clone(), reason };
+        let endpoint = Endpoint::from_shared(self.addr.clone()).map_err(|e| bad(e.to_string()))?;
+        let uri = endpoint.uri().clone();
+        let host = uri.host().ok_or_else(|| bad("no host".into()))?;
+        let endpoint = match self.tls.config(Self::TLS_FLAGS, uri.scheme_str() == Some("https"), host)? {
+            Some(tls) => endpoint.tls_config(tls).map_err(|e| bad(e.to_string()))?,
+            None => endpoint,
+        };
+        endpoint.connect().await.map_err(|source| ClientError::Connect { addr: self.addr.clone(), source })
+    }
+
+    /// Connects a Generation client with the server's message limits and the API key.
+    pub async fn connect(&self) -> Result<Client, ClientError> {
+        let header = match &self.api_key {
+            Some(key) => Some(format!("Bearer {key}").parse().map_err(|_| ClientError::Address {
+                addr: self.addr.clone(),
+                reason: "the API key is not ASCII".into(),
+            })?),
+            None => None,
+        };
+        let client = GenerationClient::with_interceptor(self.channel().await?, ApiKeyHeader(header));
+        Ok(client.max_decoding_message_size(MAX_MESSAGE_BYTES))
+    }
 }
 
 /// One user turn (images first, then the text), after an optional system message.

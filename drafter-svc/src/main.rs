@@ -58,6 +58,10 @@ struct ServeArgs {
     /// fingerprint is checked against the verifier's.
     #[arg(long, env = "GLANCE_DRAFTER_TARGET")]
     target: Option<PathBuf>,
+    /// Refuse to start unless the target's fingerprint (`verifier-svc --print-fingerprint`) is
+    /// this.
+    #[arg(long, env = "GLANCE_DRAFTER_EXPECT_TARGET_FINGERPRINT")]
+    expect_target_fingerprint: Option<String>,
     #[arg(long, env = "GLANCE_DRAFTER_DEVICE", default_value = "cpu")]
     device: String,
     /// `f32`, `bf16`, `f16` or `auto` (f32 on CPU, bf16 on CUDA).
@@ -65,6 +69,15 @@ struct ServeArgs {
     dtype: String,
     #[arg(long, env = "GLANCE_DRAFTER_LISTEN", default_value = "127.0.0.1:50061")]
     listen: std::net::SocketAddr,
+    /// Serve TLS with this certificate chain (PEM) and --tls-key; verifiers then use an
+    /// `https://` drafter URL and --drafter-ca.
+    #[arg(long, env = "GLANCE_DRAFTER_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, env = "GLANCE_DRAFTER_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// With TLS: admit only clients (verifiers) whose certificates chain to this CA (mTLS).
+    #[arg(long, env = "GLANCE_DRAFTER_TLS_CLIENT_CA")]
+    tls_client_ca: Option<PathBuf>,
     /// Prometheus metrics at http://ADDR/metrics, or `off`.
     #[arg(long, env = "GLANCE_DRAFTER_METRICS_LISTEN", default_value = "127.0.0.1:9091")]
     metrics_listen: String,
@@ -80,6 +93,12 @@ struct ServeArgs {
     /// stream; a verifier that comes back re-sends its context to a fresh session).
     #[arg(long, env = "GLANCE_DRAFTER_SESSION_IDLE_TIMEOUT_S", default_value_t = 300.0)]
     session_idle_timeout_s: f64,
+    /// On SIGTERM the drafter turns NOT_SERVING and refuses new sessions with UNAVAILABLE; open
+    /// sessions may go on for this long, then end with UNAVAILABLE (their verifiers decode on
+    /// greedily and open their next session elsewhere). Keep Kubernetes'
+    /// terminationGracePeriodSeconds above the preStop delay plus this.
+    #[arg(long, env = "GLANCE_DRAFTER_DRAIN_TIMEOUT_S", default_value_t = 120.0)]
+    drain_timeout_s: f64,
     /// Test drafters: block size and vocabulary.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -291,15 +310,30 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
 
 async fn serve(args: ServeArgs) -> Result<(), String> {
     let (device, kind) = device_and_kind(&args.device, &args.dtype)?;
+    let tls = glance_security::ServerTlsFiles {
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+    }
+    .config()
+    .map_err(|e| e.to_string())?;
     if args.metrics_listen != "off" {
         let addr = args
             .metrics_listen
             .parse()
             .map_err(|e| format!("--metrics-listen {}: {e}", args.metrics_listen))?;
         glance_telemetry::serve_metrics(addr, &drafter_svc::metrics::buckets()).map_err(|e| e.to_string())?;
-        drafter_svc::metrics::describe();
+        drafter_svc::metrics::register();
     }
     let engine: Arc<dyn DraftEngine> = Arc::from(build_engine(&args, device, kind)?);
+    if let Some(expected) = &args.expect_target_fingerprint {
+        let loaded = engine.handshake().target_fingerprint;
+        if loaded != *expected {
+            return Err(format!(
+                "--target's fingerprint is {loaded:?}, but --expect-target-fingerprint says {expected}: not the target this deployment names"
+            ));
+        }
+    }
     let listener =
         TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
@@ -311,18 +345,26 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         idle_timeout: Duration::try_from_secs_f64(args.session_idle_timeout_s)
             .map_err(|e| format!("--session-idle-timeout-s {}: {e}", args.session_idle_timeout_s))?,
     };
-    let drafter = pb::drafter_server::DrafterServer::new(DrafterService::new(engine, device, limits))
+    let drain_timeout = Duration::try_from_secs_f64(args.drain_timeout_s)
+        .map_err(|e| format!("--drain-timeout-s {}: {e}", args.drain_timeout_s))?;
+    let service = DrafterService::new(engine, device, limits);
+    let shutdown = drain_on_signal(service.drain(), health_reporter, drain_timeout);
+    let drafter = pb::drafter_server::DrafterServer::new(service)
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
     // Scripts and tests wait for this line.
     println!("drafter-svc listening on {addr}");
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls).map_err(|e| format!("TLS: {e}"))?;
+    }
+    server
         .tcp_nodelay(true)
         .initial_stream_window_size(Some(glance_proto::drafter::HOP_WINDOW))
         .initial_connection_window_size(Some(glance_proto::drafter::HOP_WINDOW))
         .add_service(health_service)
         .add_service(drafter)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await
         .map_err(|e| e.to_string())
 }
@@ -370,6 +412,24 @@ fn train(args: TrainArgs) -> Result<(), String> {
     tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// Resolves on SIGTERM (or Ctrl-C) once the drain has begun: readiness NOT_SERVING, new sessions
+/// refused; the server then waits for the open ones, which the drain timeout ends if they last.
+async fn drain_on_signal(
+    drain: drafter_svc::service::SessionDrain,
+    health: tonic_health::server::HealthReporter,
+    timeout: Duration,
+) {
+    shutdown_signal().await;
+    tracing::info!(?timeout, "draining: new sessions refused, open ones finishing");
+    drain.begin();
+    health.set_not_serving::<pb::drafter_server::DrafterServer<DrafterService>>().await;
+    tokio::spawn(async move {
+        tokio::time::sleep(timeout).await;
+        tracing::warn!(?timeout, "drain timeout: ending the sessions still open");
+        drain.expire();
+    });
 }
 
 async fn shutdown_signal() {

@@ -19,7 +19,17 @@ pub fn buckets() -> Vec<(&'static str, &'static [f64])> {
     vec![(DRAFT_LATENCY, BUCKETS)]
 }
 
-pub fn describe() {
+/// Registers the help texts and exports every counter and gauge at zero from start-up (the
+/// autoscaler and the alerts see the series before the first session).
+pub fn register() {
+    describe();
+    for counter in [SESSIONS_REFUSED, ROUNDS, FAILED_ROUNDS] {
+        metrics::counter!(counter).absolute(0);
+    }
+    metrics::gauge!(SESSIONS_OPEN).set(0.0);
+}
+
+fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_gauge!(SESSIONS_OPEN, "Draft streams open now.");
     describe_gauge!(SESSIONS_LIMIT, "Most draft streams this drafter admits.");

@@ -36,6 +36,7 @@ pub struct DrafterService {
     checks: Checks,
     /// One permit per session that may open.
     admission: Arc<Semaphore>,
+    drain: SessionDrain,
 }
 
 impl DrafterService {
@@ -44,7 +45,42 @@ impl DrafterService {
         metrics::gauge!(names::SESSIONS_LIMIT).set(limits.max_sessions as f64);
         let admission = Arc::new(Semaphore::new(limits.max_sessions));
         let checks = Checks { device, vocab: engine.handshake().vocab_size, limits };
-        Self { engine, checks, admission }
+        Self { engine, checks, admission, drain: SessionDrain::default() }
+    }
+
+    /// The service's shutdown control (SIGTERM).
+    pub fn drain(&self) -> SessionDrain {
+        self.drain.clone()
+    }
+}
+
+/// How a drafter shuts down: [`SessionDrain::begin`] refuses new sessions with UNAVAILABLE (the
+/// verifier decodes that request greedily and its next session goes to another pod) while open
+/// sessions go on; [`SessionDrain::expire`] (the drain timeout) ends those with UNAVAILABLE at
+/// their next message.
+#[derive(Clone)]
+pub struct SessionDrain {
+    draining: Arc<std::sync::atomic::AtomicBool>,
+    expired: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for SessionDrain {
+    fn default() -> Self {
+        Self { draining: Arc::default(), expired: tokio::sync::watch::Sender::new(false) }
+    }
+}
+
+impl SessionDrain {
+    pub fn begin(&self) {
+        self.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn expire(&self) {
+        self.expired.send_replace(true);
+    }
+
+    fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -85,6 +121,11 @@ impl pb::drafter_server::Drafter for DrafterService {
         // The session's spans join the verifier's trace (traceparent in the stream's metadata).
         let span = tracing::info_span!("draft_session");
         glance_telemetry::continue_trace(&span, request.metadata());
+        if self.drain.is_draining() {
+            return Err(Status::unavailable(
+                "this drafter is shutting down; open the session on another pod",
+            ));
+        }
         let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
             metrics::counter!(names::SESSIONS_REFUSED).increment(1);
             Status::resource_exhausted(format!(
@@ -101,7 +142,8 @@ impl pb::drafter_server::Drafter for DrafterService {
         // trip (connection → session → connection), about half the loopback hop. Drafting blocks
         // the worker, so the runtime has a worker per admitted session and spares for I/O
         // (`worker_threads`).
-        tokio::spawn(run_session(session, inbound, replies, self.checks, span, permit));
+        let expired = self.drain.expired.subscribe();
+        tokio::spawn(run_session(session, inbound, replies, self.checks, expired, span, permit));
         Ok(Response::new(ReceiverStream::new(stream)))
     }
 }
@@ -126,6 +168,13 @@ async fn next_request(
     }
 }
 
+/// Resolves once the drain timeout has passed (never, if the sender is gone without it).
+async fn drain_expired(expired: &mut tokio::sync::watch::Receiver<bool>) {
+    if expired.wait_for(|expired| *expired).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// What a session checks each message against before the engine sees it.
 #[derive(Clone, Copy)]
 struct Checks {
@@ -135,19 +184,30 @@ struct Checks {
     limits: SessionLimits,
 }
 
-/// A session: every message answered in order until the stream ends or fails. After an error the
-/// stream's state is unknown, so it is reported and the session ends.
+/// A session: every message answered in order until the stream ends or fails, or the drain
+/// timeout ends it. After an error the stream's state is unknown, so it is reported and the
+/// session ends.
 async fn run_session(
     mut session: Box<dyn Session>,
     mut inbound: Streaming<pb::DraftRequest>,
     replies: mpsc::Sender<Result<pb::DraftResponse, Status>>,
     checks: Checks,
+    mut expired: tokio::sync::watch::Receiver<bool>,
     span: tracing::Span,
     _permit: OwnedSemaphorePermit,
 ) {
     metrics::gauge!(names::SESSIONS_OPEN).increment(1.0);
     let _closed = scopeguard(|| metrics::gauge!(names::SESSIONS_OPEN).decrement(1.0));
-    while let Some(message) = next_request(&mut inbound, checks.limits.idle_timeout).await {
+    loop {
+        let message = tokio::select! {
+            message = next_request(&mut inbound, checks.limits.idle_timeout) => message,
+            () = drain_expired(&mut expired) => {
+                let reason = "this drafter is shutting down and its drain timeout passed; open a new session";
+                let _ = replies.send(Err(Status::unavailable(reason))).await;
+                return;
+            }
+        };
+        let Some(message) = message else { return };
         match message.and_then(|message| answer(session.as_mut(), message, checks, &span)) {
             Ok(None) => {}
             Ok(Some(response)) => {

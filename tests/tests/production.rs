@@ -47,12 +47,12 @@ async fn spec_decode_counters_add_up() {
     let requests = 2.0 * prompts.len() as f64;
     assert_eq!(metric(&text, "glance_requests_total{outcome=\"ok\"}"), requests, "{text}");
     assert_eq!(metric(&text, "glance_generated_tokens_total"), generated as f64);
-    let accepted = metric(&text, "glance_spec_decode_num_accepted_tokens");
-    let drafts = metric(&text, "glance_spec_decode_num_drafts");
-    let fallback = metric(&text, "glance_spec_decode_fallback_rounds");
+    let accepted = metric(&text, "glance_spec_decode_num_accepted_tokens_total");
+    let drafts = metric(&text, "glance_spec_decode_num_drafts_total");
+    let fallback = metric(&text, "glance_spec_decode_fallback_rounds_total");
     let auto_steps = ["greedy_steps", "declined_trees", "overlapped_steps", "stale_trees"]
         .iter()
-        .map(|name| metric(&text, &format!("glance_auto_{name}")))
+        .map(|name| metric(&text, &format!("glance_auto_{name}_total")))
         .sum::<f64>();
     // Each request's first token comes from the prefill; every round then commits its accepted
     // draft tokens plus one token of the target's (with an untrained head no round is cut short),
@@ -61,12 +61,13 @@ async fn spec_decode_counters_add_up() {
     assert_eq!(accepted + drafts + fallback + auto_steps + requests, generated as f64, "{text}");
     // Auto drafted: with this untrained head its trees mostly miss the token of the greedy step
     // taken while they were drafted (stale), the rest are verified.
-    let auto_drafted = metric(&text, "glance_auto_stale_trees") + metric(&text, "glance_auto_verified_nodes");
+    let auto_drafted =
+        metric(&text, "glance_auto_stale_trees_total") + metric(&text, "glance_auto_verified_nodes_total");
     assert!(auto_drafted > 0.0, "auto never drafted: {text}");
-    assert!(text.contains("glance_auto_verified_nodes"), "{text}");
+    assert!(text.contains("glance_auto_verified_nodes_total"), "{text}");
     assert!(drafts > 0.0);
-    assert_eq!(metric(&text, "glance_spec_decode_num_accepted_tokens_per_pos"), accepted);
-    assert!(metric(&text, "glance_spec_decode_num_draft_tokens") >= drafts);
+    assert_eq!(metric(&text, "glance_spec_decode_num_accepted_tokens_per_pos_total"), accepted);
+    assert!(metric(&text, "glance_spec_decode_num_draft_tokens_total") >= drafts);
     assert!(metric(&text, "glance_time_to_first_token_seconds_count") >= requests);
     assert!(metric(&text, "glance_drafter_round_latency_seconds_count") >= drafts);
     assert_eq!(metric(&text, "glance_drafter_connected"), 1.0);

@@ -346,7 +346,37 @@ fn a_missing_or_inconsistent_model_directory_stops_the_start_up() {
 }
 
 #[test]
-fn a_drafter_built_for_another_target_is_refused_at_start_up() {
+fn the_model_is_the_one_the_deployment_names() {
+    let Some(root) = fixtures() else { return };
+    let (model, other) = (root.join("tiny-qwen3-vl"), root.join("tiny-qwen2.5-vl"));
+    let print = |dir: &std::path::Path| {
+        let output = std::process::Command::new(glance_tests::process::binary("verifier-svc"))
+            .args(["--print-fingerprint", "--model", dir.to_str().unwrap()])
+            .output()
+            .expect("running verifier-svc");
+        assert!(output.status.success());
+        String::from_utf8(output.stdout).unwrap().trim().to_string()
+    };
+    let (ours, theirs) = (print(&model), print(&other));
+    assert_eq!(ours.len(), 16);
+    assert_ne!(ours, theirs);
+    let refused = refused_start(&["--model", model.to_str().unwrap(), "--expect-fingerprint", &theirs]);
+    assert!(refused.contains("--expect-fingerprint") && refused.contains(&ours), "{refused}");
+    let served = ServiceProcess::verifier(&model, &["--expect-fingerprint", &ours]);
+    drop(served);
+    // The drafter checks its --target the same way.
+    let drafter = std::process::Command::new(glance_tests::process::binary("drafter-svc"))
+        .args(["serve", "--kind", "prompt-lookup", "--target", model.to_str().unwrap()])
+        .args(["--expect-target-fingerprint", &theirs, "--listen", "127.0.0.1:0", "--metrics-listen", "off"])
+        .output()
+        .expect("running drafter-svc");
+    assert!(!drafter.status.success());
+    let stderr = String::from_utf8_lossy(&drafter.stderr);
+    assert!(stderr.contains("--expect-target-fingerprint"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drafter_built_for_another_target_is_left_out_and_requests_decode_without_it() {
     let Some(root) = fixtures() else { return };
     // Same vocabulary and width, another target: only the fingerprint tells them apart.
     let other = root.join("tiny-qwen2.5-vl");
@@ -359,9 +389,37 @@ fn a_drafter_built_for_another_target_is_refused_at_start_up() {
     drafter_svc::init::write_random_head(&other, &head, &spec).unwrap();
     let head_drafter = ServiceProcess::block_head_drafter(&head, &other, &[]);
     let model = root.join("tiny-qwen3-vl");
-    let refused = refused_start(&["--model", model.to_str().unwrap(), "--drafter", &head_drafter.url]);
-    assert!(refused.contains("does not fit this target"), "{refused}");
+    // A head upgrade rolling out, say: the verifier starts and serves, without that drafter.
+    let port = glance_tests::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let verifier =
+        ServiceProcess::verifier(&model, &["--drafter", &head_drafter.url, "--metrics-listen", &listen]);
+    let mut client = connect(&verifier.url).await;
+    let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
+    assert!(!info.drafter_connected);
+    let case = Case::load(&model, "one_image");
+    let mut tree = request(glance_tests::suite::to_proto(&case.chat_messages()), 8);
+    tree.decoding = Some(pb::DecodingOptions {
+        mode: pb::DecodingMode::SpeculativeTree as i32,
+        ignore_eos: true,
+        ..Default::default()
+    });
+    let response = client.generate(tree).await.expect("served without the drafter").into_inner();
+    assert_eq!(response.token_ids, case.greedy_tokens[..8].iter().map(|&t| t as u32).collect::<Vec<_>>());
+    let stats = response.speculative.unwrap();
+    assert_eq!(stats.rounds, 0, "{stats:?}");
+    let mismatches = glance_tests::metric(&glance_tests::scrape(port), "glance_drafter_mismatches_total");
+    assert!(mismatches >= 1.0, "the mismatch was not counted");
     // Prompt lookup works with any target of the same vocabulary, so it is accepted.
     let accepted = ServiceProcess::verifier(&model, &["--drafter", &drafter.url]);
-    drop(accepted);
+    let mut client = connect(&accepted.url).await;
+    let mut connected = false;
+    for _ in 0..30 {
+        connected = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner().drafter_connected;
+        if connected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(connected);
 }

@@ -17,6 +17,14 @@ pub struct Args {
     /// preprocessor config).
     #[arg(long, env = "GLANCE_MODEL")]
     pub model: PathBuf,
+    /// Refuse to start unless the model's fingerprint (`--print-fingerprint`) is this: the
+    /// deployment names the model it expects, and a wrong or half-copied directory fails loudly.
+    #[arg(long, env = "GLANCE_EXPECT_FINGERPRINT")]
+    pub expect_fingerprint: Option<String>,
+    /// Print the model's fingerprint and exit (reads config.json and one embedding row; loads
+    /// nothing else). Model loaders name versioned directories by it.
+    #[arg(long)]
+    pub print_fingerprint: bool,
     /// `cpu`, `cuda` or `cuda:N`.
     #[arg(long, env = "GLANCE_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -26,6 +34,18 @@ pub struct Args {
     /// Address of the public gRPC server.
     #[arg(long, env = "GLANCE_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// Serve TLS with this certificate chain (PEM) and --tls-key.
+    #[arg(long, env = "GLANCE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, env = "GLANCE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// With TLS: require client certificates that chain to this CA (PEM).
+    #[arg(long, env = "GLANCE_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// API keys (one per line, `#` comments): the public API then answers UNAUTHENTICATED
+    /// without `authorization: Bearer <key>`. Health stays open to probes.
+    #[arg(long, env = "GLANCE_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// Largest `max_new_tokens` a request may ask for.
     #[arg(long, env = "GLANCE_MAX_NEW_TOKENS_LIMIT", default_value_t = 4096)]
     pub max_new_tokens_limit: u32,
@@ -79,6 +99,11 @@ pub struct Args {
     /// at once with RESOURCE_EXHAUSTED.
     #[arg(long, env = "GLANCE_MAX_QUEUE", default_value_t = 32)]
     pub max_queue: usize,
+    /// On SIGTERM, waiting requests are refused at once with UNAVAILABLE and running generations
+    /// may finish for this long; those still running then end with UNAVAILABLE. Keep
+    /// Kubernetes' terminationGracePeriodSeconds above the preStop delay plus this.
+    #[arg(long, env = "GLANCE_DRAIN_TIMEOUT_S", default_value_t = 120.0, value_parser = parse_seconds)]
+    pub drain_timeout_s: f64,
     /// Prometheus metrics at http://ADDR/metrics, or `off`.
     #[arg(long, env = "GLANCE_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
     pub metrics_listen: String,
@@ -89,6 +114,18 @@ pub struct Args {
     /// prompt-lookup decoding are served.
     #[arg(long, env = "GLANCE_DRAFTER_URL")]
     pub drafter: Option<String>,
+    /// For an `https://` drafter URL: the CA (PEM) the drafters' certificates chain to.
+    #[arg(long, env = "GLANCE_DRAFTER_CA")]
+    pub drafter_ca: Option<PathBuf>,
+    /// The name the drafters' certificates must carry (default: the drafter URL's host, e.g. the
+    /// headless Service's name; pods are dialed by address but checked against this).
+    #[arg(long, env = "GLANCE_DRAFTER_TLS_DOMAIN")]
+    pub drafter_tls_domain: Option<String>,
+    /// This verifier's client certificate (PEM) for mTLS to the drafters, with --drafter-client-key.
+    #[arg(long, env = "GLANCE_DRAFTER_CLIENT_CERT")]
+    pub drafter_client_cert: Option<PathBuf>,
+    #[arg(long, env = "GLANCE_DRAFTER_CLIENT_KEY")]
+    pub drafter_client_key: Option<PathBuf>,
     /// Per-round deadline for the drafter's tree; a later tree is not waited for and the round
     /// is decoded as a greedy step.
     #[arg(long, env = "GLANCE_DRAFTER_DEADLINE_MS", default_value_t = 1000)]
@@ -125,6 +162,25 @@ pub enum ImageBackend {
 }
 
 impl Args {
+    /// The public server's TLS files.
+    pub fn server_tls(&self) -> glance_security::ServerTlsFiles {
+        glance_security::ServerTlsFiles {
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+            client_ca: self.tls_client_ca.clone(),
+        }
+    }
+
+    /// The drafter hop's TLS files.
+    pub fn drafter_tls(&self) -> glance_security::ClientTlsFiles {
+        glance_security::ClientTlsFiles {
+            ca: self.drafter_ca.clone(),
+            cert: self.drafter_client_cert.clone(),
+            key: self.drafter_client_key.clone(),
+            domain: self.drafter_tls_domain.clone(),
+        }
+    }
+
     /// Whose image processor the pixels reproduce.
     pub fn image_backend(&self) -> glance_input::ImageBackend {
         match self.image_backend {
@@ -139,6 +195,16 @@ impl Args {
             ImageAlpha::Composite => glance_input::Alpha::Composite(self.image_background),
             ImageAlpha::Drop => glance_input::Alpha::Drop,
         }
+    }
+}
+
+/// A non-negative, finite number of seconds.
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text.trim().parse().map_err(|e| format!("{text:?}: {e}"))?;
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(seconds)
+    } else {
+        Err(format!("{text:?}: expected a non-negative number of seconds"))
     }
 }
 

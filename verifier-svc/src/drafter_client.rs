@@ -32,7 +32,7 @@ use tch::Kind;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tonic::transport::channel::Change;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
 
 use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, Drafted};
 
@@ -80,6 +80,9 @@ pub struct DrafterInfo {
 /// Shared by all generations: the endpoint, the last good handshake, and the reconnect backoff.
 pub struct RemoteDrafter {
     url: String,
+    /// For an `https` URL: the CA the drafters' certificates chain to, the name they carry, and
+    /// this verifier's client certificate (mTLS).
+    tls: Option<ClientTlsConfig>,
     runtime: Handle,
     target: TargetDescription,
     state: Mutex<ConnectionState>,
@@ -102,12 +105,14 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 impl RemoteDrafter {
     pub fn new(
         url: String,
+        tls: Option<ClientTlsConfig>,
         runtime: Handle,
         target: TargetDescription,
         round_deadline: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             url,
+            tls,
             runtime,
             target,
             state: Mutex::new(ConnectionState {
@@ -120,11 +125,10 @@ impl RemoteDrafter {
         })
     }
 
-    /// Connects and checks the handshake now (start-up): a mismatch is an error the caller
-    /// reports before serving, also when only one pod of the pool is mismatched (a misdeployed
-    /// pool should stop new verifiers loudly; running ones just leave that pod out).
+    /// Connects and checks the handshake now (start-up), reporting a mismatch also when only one
+    /// pod of the pool is mismatched (the caller logs it loudly; the pods that fit are used).
     pub async fn connect_now(&self) -> Result<DrafterInfo, DrafterError> {
-        let pool = connect(&self.url, &self.target).await?;
+        let pool = connect(&self.url, self.tls.as_ref(), &self.target).await?;
         if let Some(refused) = pool.refused.into_iter().next() {
             return Err(refused);
         }
@@ -147,7 +151,8 @@ impl RemoteDrafter {
             return None;
         }
         let attempt = self.runtime.block_on(async {
-            tokio::time::timeout(Duration::from_secs(2), connect(&self.url, &self.target)).await
+            tokio::time::timeout(Duration::from_secs(2), connect(&self.url, self.tls.as_ref(), &self.target))
+                .await
         });
         match attempt {
             Ok(Ok(pool)) => {
@@ -179,6 +184,7 @@ impl RemoteDrafter {
     /// pool's handshakes did not catch); either way the pool is rebuilt, re-checking every pod.
     fn stream_failed(&self, status: &tonic::Status) {
         if status.code() == tonic::Code::FailedPrecondition {
+            count_mismatch();
             tracing::warn!(url = %self.url, reason = status.message(), "drafter pod does not fit this target");
         }
         self.mark_failed();
@@ -230,9 +236,13 @@ struct Pool {
 
 /// Resolves the URL's host, checks every pod's handshake, and balances over the pods that pass;
 /// a background task follows the name from then on.
-async fn connect(url: &str, target: &TargetDescription) -> Result<Pool, DrafterError> {
+async fn connect(
+    url: &str,
+    tls: Option<&ClientTlsConfig>,
+    target: &TargetDescription,
+) -> Result<Pool, DrafterError> {
     let unreachable = |reason: String| DrafterError::Unreachable { url: url.to_string(), reason };
-    let address = PoolAddress::parse(url).map_err(unreachable)?;
+    let address = PoolAddress::parse(url, tls.cloned()).map_err(unreachable)?;
     let resolved = address.resolve().await.map_err(unreachable)?;
     let probes = probe_all(&address, &resolved, target).await;
     let info = reference_handshake(url, &probes)?;
@@ -269,10 +279,13 @@ struct PoolAddress {
     port: u16,
     /// Addresses from [`RESOLVE_OVERRIDE_ENV`] when it names this host.
     pinned: Option<Vec<IpAddr>>,
+    /// Every pod's connection is TLS with this configuration (its server name is the URL's
+    /// host, not the pod's address).
+    tls: Option<ClientTlsConfig>,
 }
 
 impl PoolAddress {
-    fn parse(url: &str) -> Result<Self, String> {
+    fn parse(url: &str, tls: Option<ClientTlsConfig>) -> Result<Self, String> {
         let origin: Uri = url.parse().map_err(|e| format!("invalid URL: {e}"))?;
         let host = origin.host().ok_or("the URL names no host")?.to_string();
         let scheme = origin.scheme_str().unwrap_or("http").to_string();
@@ -281,7 +294,13 @@ impl PoolAddress {
             Ok(spec) => parse_resolve_override(&spec, &host)?,
             Err(_) => None,
         };
-        Ok(Self { url: url.to_string(), scheme, origin, host, port, pinned })
+        if (scheme == "https") != tls.is_some() {
+            return Err(format!(
+                "an {scheme} URL {} TLS settings",
+                if tls.is_some() { "takes no" } else { "needs" }
+            ));
+        }
+        Ok(Self { url: url.to_string(), scheme, origin, host, port, pinned, tls })
     }
 
     /// Every address of the host; an IP literal is its own single address.
@@ -301,12 +320,16 @@ impl PoolAddress {
             Endpoint::from_shared(format!("{}://{addr}", self.scheme)).map_err(|e| e.to_string())?;
         // Every round sends tap states (the prompt's all at once); HTTP/2's default 64 KiB windows
         // would stall those sends on window updates.
-        Ok(endpoint
+        let endpoint = endpoint
             .origin(self.origin.clone())
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(HOP_WINDOW))
-            .initial_connection_window_size(Some(HOP_WINDOW)))
+            .initial_connection_window_size(Some(HOP_WINDOW));
+        match &self.tls {
+            Some(tls) => endpoint.tls_config(tls.clone()).map_err(|e| format!("TLS: {e}")),
+            None => Ok(endpoint),
+        }
     }
 
     /// How errors name one pod.
@@ -355,7 +378,17 @@ async fn probe(
         handshake(&mut drafter_client(channel), &name, target).await
     })
     .await;
-    answered.unwrap_or_else(|_| Err(unreachable(format!("no handshake within {PROBE_TIMEOUT:?}"))))
+    let probed =
+        answered.unwrap_or_else(|_| Err(unreachable(format!("no handshake within {PROBE_TIMEOUT:?}"))));
+    if matches!(probed, Err(DrafterError::Mismatch { .. })) {
+        count_mismatch();
+    }
+    probed
+}
+
+/// A drafter pod that does not fit this target (or the pool) was seen: left out, and counted.
+fn count_mismatch() {
+    metrics::counter!(crate::metrics::DRAFTER_MISMATCHES).increment(1);
 }
 
 async fn handshake(
@@ -406,7 +439,10 @@ fn admit(reference: &DrafterInfo, probes: Vec<Probe>) -> (Vec<SocketAddr>, Vec<D
         match probe {
             Ok(info) => match differs_from(reference, &info) {
                 None => members.push(addr),
-                Some(reason) => refused.push(DrafterError::Mismatch { url: addr.to_string(), reason }),
+                Some(reason) => {
+                    count_mismatch();
+                    refused.push(DrafterError::Mismatch { url: addr.to_string(), reason })
+                }
             },
             Err(e @ DrafterError::Mismatch { .. }) => refused.push(e),
             Err(e) => tracing::debug!(error = %e, "drafter pod not reachable; not in the pool for now"),

@@ -4,10 +4,13 @@
 //!
 //! Admission is a bounded queue: a full queue is answered at once with RESOURCE_EXHAUSTED. A
 //! request whose receiver is dropped (client gone, deadline passed) is stopped at the next token.
+//! Shutdown is a [`Drain`]: what waits is refused at once, what runs finishes within a timeout.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::Duration;
 
 use glance_input::{Prompt, PromptBuilder};
 use glance_models::decode::{
@@ -110,6 +113,8 @@ pub struct EngineLimits {
     pub max_concurrent: usize,
     /// Admitted requests waiting for an engine thread.
     pub max_queue: usize,
+    /// How long running generations may go on once the engine drains.
+    pub drain_timeout: Duration,
 }
 
 /// Where drafts come from.
@@ -131,10 +136,74 @@ pub struct EngineHandle {
     jobs: std_mpsc::Sender<Job>,
     slots: Arc<tokio::sync::Semaphore>,
     capacity: usize,
+    drain: Drain,
     pub prompts: Arc<PromptBuilder>,
 }
 
+/// The engine's queue, shared by the engine threads (one waits on it at a time) and the drain.
+type Queue = Arc<Mutex<std_mpsc::Receiver<Job>>>;
+
+/// How the engine shuts down (SIGTERM). [`Drain::begin`] refuses every request that waits for an
+/// engine thread, and every one submitted from then on, with UNAVAILABLE at once (the client
+/// retries on another replica), while running generations go on; [`Drain::expire`] (the drain
+/// timeout) stops those too, with UNAVAILABLE and the reason.
+#[derive(Clone)]
+pub struct Drain {
+    state: Arc<DrainState>,
+    queue: Queue,
+}
+
+#[derive(Default)]
+struct DrainState {
+    draining: AtomicBool,
+    expired: AtomicBool,
+    timeout: Duration,
+}
+
+/// What a request refused by the drain is told.
+pub const SHUTTING_DOWN: &str = "the server is shutting down; retry on another replica";
+
+impl Drain {
+    /// Refuses what waits and what comes; returns how many waiting requests were refused.
+    pub fn begin(&self) -> usize {
+        self.state.draining.store(true, Ordering::SeqCst);
+        // An engine thread waiting for a job holds the queue's lock, and then the queue is empty.
+        let Ok(queue) = self.queue.try_lock() else { return 0 };
+        let mut refused = 0;
+        while let Ok(job) = queue.try_recv() {
+            metrics::gauge!(names::QUEUE_SIZE).decrement(1.0);
+            refuse(job);
+            refused += 1;
+        }
+        refused
+    }
+
+    /// The drain timeout passed: running generations stop at their next token.
+    pub fn expire(&self) {
+        self.state.expired.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.state.draining.load(Ordering::SeqCst)
+    }
+
+    /// How long running generations may take once draining (`--drain-timeout-s`).
+    pub fn timeout(&self) -> Duration {
+        self.state.timeout
+    }
+}
+
+/// Answers a job the drain refused.
+fn refuse(job: Job) {
+    let _ = job.events.try_send(Event::Failed(VerifierError::Unavailable(SHUTTING_DOWN.into())));
+}
+
 impl EngineHandle {
+    /// The engine's shutdown control.
+    pub fn drain(&self) -> Drain {
+        self.drain.clone()
+    }
+
     /// Takes a place for a new request, or refuses at once when running + waiting requests are
     /// at the limit. Done before any preprocessing, so an overloaded server answers fast.
     pub fn admit(&self) -> Result<Admission, VerifierError> {
@@ -145,8 +214,11 @@ impl EngineHandle {
         Ok(Admission(permit))
     }
 
-    /// Queues an admitted job.
+    /// Queues an admitted job (refused while draining).
     pub fn submit(&self, job: Job) -> Result<(), VerifierError> {
+        if self.drain.is_draining() {
+            return Err(VerifierError::Unavailable(SHUTTING_DOWN.into()));
+        }
         metrics::gauge!(names::QUEUE_SIZE).increment(1.0);
         self.jobs.send(job).map_err(|_| {
             metrics::gauge!(names::QUEUE_SIZE).decrement(1.0);
@@ -172,10 +244,12 @@ pub fn start(
     costs: VerifyCost,
 ) -> EngineHandle {
     let (jobs, queue) = std_mpsc::channel::<Job>();
-    let queue = Arc::new(std::sync::Mutex::new(queue));
+    let queue: Queue = Arc::new(Mutex::new(queue));
+    let drain_state = DrainState { timeout: limits.drain_timeout, ..DrainState::default() };
+    let drain = Drain { state: Arc::new(drain_state), queue: Arc::clone(&queue) };
     let eos = prompts.eos_token_ids().iter().map(|&i| i as i64).collect::<Vec<_>>();
     let capacity = limits.max_concurrent.max(1) + limits.max_queue;
-    let prior = std::sync::Mutex::new(RoundPolicy::with_costs(costs));
+    let prior = Mutex::new(RoundPolicy::with_costs(costs));
     let worker = Arc::new(Worker {
         model: SharedModel(model),
         prompts: Arc::clone(&prompts),
@@ -183,6 +257,7 @@ pub fn start(
         limits: limits.clone(),
         drafting,
         prior,
+        drain: Arc::clone(&drain.state),
     });
     for i in 0..limits.max_concurrent.max(1) {
         let (worker, queue) = (Arc::clone(&worker), Arc::clone(&queue));
@@ -198,7 +273,7 @@ pub fn start(
             })
             .expect("spawning an engine thread");
     }
-    EngineHandle { jobs, slots: Arc::new(tokio::sync::Semaphore::new(capacity)), capacity, prompts }
+    EngineHandle { jobs, slots: Arc::new(tokio::sync::Semaphore::new(capacity)), capacity, drain, prompts }
 }
 
 struct Worker {
@@ -209,7 +284,8 @@ struct Worker {
     drafting: Drafting,
     /// The auto policy as the last auto request left it: what the next one starts from (costs,
     /// calibration, the entropy law, the probe back-off).
-    prior: std::sync::Mutex<RoundPolicy>,
+    prior: Mutex<RoundPolicy>,
+    drain: Arc<DrainState>,
 }
 
 impl Worker {
@@ -217,6 +293,9 @@ impl Worker {
         if job.events.is_closed() {
             metrics::counter!(names::REQUESTS, "outcome" => "cancelled").increment(1);
             return; // the client left while queued
+        }
+        if self.drain.draining.load(Ordering::SeqCst) {
+            return refuse(job); // queued before the drain began, picked up after
         }
         let span = job.span.clone();
         let _entered = span.enter();
@@ -253,6 +332,7 @@ impl Worker {
             logprobs: job.logprobs,
         };
         let mut last_token_at: Option<std::time::Instant> = None;
+        let mut expired = false;
         let on_token = |emitted: Emitted<'_>| {
             let token = emitted.token;
             let now = std::time::Instant::now();
@@ -265,7 +345,8 @@ impl Worker {
             stop_string |= piece.stop;
             let logprobs = emitted.logprob.cloned().into_iter().collect();
             let chunk = Event::Chunk { text: piece.text, token_ids: vec![token as u32], logprobs };
-            if job.events.blocking_send(chunk).is_err() || piece.stop {
+            expired = self.drain.expired.load(Ordering::SeqCst);
+            if job.events.blocking_send(chunk).is_err() || piece.stop || expired {
                 StepControl::Stop
             } else {
                 StepControl::Continue
@@ -275,6 +356,12 @@ impl Worker {
             self.decode(&inputs, &params, job.decoding, job.sampling, job.log_rounds, on_token)?;
         if job.events.is_closed() && !stop_string {
             return Err(VerifierError::Cancelled);
+        }
+        if expired && generation.finish == FinishKind::Stopped && !stop_string {
+            return Err(VerifierError::Unavailable(format!(
+                "{SHUTTING_DOWN}: its drain timeout ({:?}, --drain-timeout-s) passed before this generation finished",
+                self.drain.timeout
+            )));
         }
         let mut finish = generation.finish;
         if finish == FinishKind::Eos {

@@ -5,6 +5,16 @@ use verifier_svc::server;
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    if args.print_fingerprint {
+        match server::checked_fingerprint(&args) {
+            Ok(fingerprint) => println!("{fingerprint}"),
+            Err(e) => {
+                eprintln!("verifier-svc: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     let telemetry = match glance_telemetry::init("verifier-svc") {
         Ok(t) => t,
         Err(e) => {
@@ -29,7 +39,7 @@ async fn run(args: Args) -> Result<(), server::StartupError> {
         })?;
         glance_telemetry::serve_metrics(addr, &verifier_svc::metrics::buckets())
             .map_err(|e| server::StartupError::Metrics(e.to_string()))?;
-        verifier_svc::metrics::describe();
+        verifier_svc::metrics::register();
     }
     // Loading is blocking work (reading and converting weights).
     let load_args = args.clone();

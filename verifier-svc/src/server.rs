@@ -3,7 +3,6 @@
 
 use std::future::Future;
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +14,7 @@ use glance_spec::prompt_lookup::PromptLookupEngine;
 use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::config::Args;
 use crate::drafter_client::{DrafterError, RemoteDrafter, TargetDescription};
@@ -41,10 +41,12 @@ pub enum StartupError {
     Listen { addr: String, reason: String },
     #[error("metrics: {0}")]
     Metrics(String),
-    #[error("--drafter: {0}")]
-    Drafter(String),
     #[error("server failed: {0}")]
     Serve(String),
+    #[error(transparent)]
+    Security(#[from] glance_security::SecurityError),
+    #[error("--drafter {url}: {reason}")]
+    DrafterUrl { url: String, reason: String },
 }
 
 /// Everything loaded at start-up, ready to serve.
@@ -53,6 +55,10 @@ pub struct Loaded {
     pub drafter: Option<Arc<RemoteDrafter>>,
     /// The transport's cap on one request message.
     pub max_request_bytes: usize,
+    /// TLS of the public server (None: plaintext).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// The public API's keys (None: open).
+    pub api_keys: Option<glance_security::ApiKeys>,
 }
 
 pub fn resolve_device(args: &Args) -> Result<(Device, Kind), StartupError> {
@@ -70,6 +76,9 @@ pub fn resolve_device(args: &Args) -> Result<(Device, Kind), StartupError> {
 
 /// Loads model and input pipeline and starts the engine.
 pub fn load(args: &Args) -> Result<Loaded, StartupError> {
+    // Security settings first: a wrong file should not wait for a model load to be reported.
+    let tls = args.server_tls().config()?;
+    let api_keys = args.api_key_file.as_deref().map(glance_security::ApiKeys::from_file).transpose()?;
     if let Some(threads) = args.threads {
         tch::set_num_threads(threads);
     }
@@ -86,6 +95,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         max_decoded_pixels: args.max_decoded_pixels,
         image_backend: args.image_backend(),
     };
+    let fingerprint = checked_fingerprint(args)?;
     let prompts =
         PromptBuilder::from_model_dir(&args.model, options).map_err(|e| model_err(e.to_string()))?;
     let model = TargetModel::load(&args.model, kind, device).map_err(|e| model_err(e.to_string()))?;
@@ -93,7 +103,7 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         .context_window
         .unwrap_or(model.text_config().max_position_embeddings)
         .min(model.text_config().max_position_embeddings);
-    let drafter = connect_drafter(args, &model)?;
+    let drafter = connect_drafter(args, &model, fingerprint)?;
     let defaults = decoding_defaults(args, drafter.is_some());
     let request_limits = RequestLimits {
         max_new_tokens: args.max_new_tokens_limit,
@@ -105,8 +115,12 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
     };
     let info = model_info(args, &model, &prompts, context_window, &defaults, &request_limits);
     let prompts = Arc::new(prompts);
-    let limits =
-        EngineLimits { context_window, max_concurrent: args.max_concurrent, max_queue: args.max_queue };
+    let limits = EngineLimits {
+        context_window,
+        max_concurrent: args.max_concurrent,
+        max_queue: args.max_queue,
+        drain_timeout: Duration::from_secs_f64(args.drain_timeout_s),
+    };
     let vocab = model.text_config().vocab_size as usize;
     let drafting = Drafting {
         remote: drafter.clone(),
@@ -120,21 +134,38 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
     tracing::info!(rows_1_2_4_8_16_32_64 = ?[1, 2, 4, 8, 16, 32, 64].map(|r| costs.estimate(r).map(|s| (s * 1e4).round() / 10.0)), "verify cost (ms) by rows");
     let engine = engine::start(model, prompts, limits, drafting, costs);
     let service = GenerationService::new(engine, request_limits, defaults, info, drafter.clone());
-    Ok(Loaded { service, drafter, max_request_bytes: args.max_request_bytes })
+    Ok(Loaded { service, drafter, max_request_bytes: args.max_request_bytes, tls, api_keys })
 }
 
-/// With `--drafter`, connects and checks the handshake before serving: a drafter built for another
-/// target stops the start-up; one that is not up yet is retried in the background.
-fn connect_drafter(args: &Args, model: &TargetModel) -> Result<Option<Arc<RemoteDrafter>>, StartupError> {
+/// The model directory's fingerprint (config.json and one embedding row, before the weights are
+/// loaded), checked against `--expect-fingerprint` when given.
+pub fn checked_fingerprint(args: &Args) -> Result<String, StartupError> {
+    let model_err = |reason: String| StartupError::Model { dir: args.model.display().to_string(), reason };
+    let config = glance_models::TargetConfig::read(&args.model).map_err(|e| model_err(e.to_string()))?;
+    let fingerprint = target_fingerprint(&args.model, &config).map_err(|e| model_err(e.to_string()))?;
+    match &args.expect_fingerprint {
+        Some(expected) if *expected != fingerprint => Err(model_err(format!(
+            "its fingerprint is {fingerprint}, but --expect-fingerprint says {expected}: not the model this deployment names"
+        ))),
+        _ => Ok(fingerprint),
+    }
+}
+
+/// With `--drafter`, connects and checks the handshake before serving. A drafter that is not up
+/// yet, or that was built for another target (a head upgrade rolling out, a misdeployed pool), is
+/// logged and retried in the background: the server decodes without it meanwhile, losslessly, and
+/// never crash-loops over its drafter.
+fn connect_drafter(
+    args: &Args,
+    model: &TargetModel,
+    fingerprint: String,
+) -> Result<Option<Arc<RemoteDrafter>>, StartupError> {
     let Some(url) = args.drafter.clone() else {
         return Ok(None);
     };
     let config = model.text_config();
     let target = TargetDescription {
-        fingerprint: target_fingerprint(&args.model, &model.config).map_err(|e| StartupError::Model {
-            dir: args.model.display().to_string(),
-            reason: e.to_string(),
-        })?,
+        fingerprint,
         hidden_size: config.hidden_size as u32,
         vocab_size: config.vocab_size as u32,
         num_layers: config.num_layers as u32,
@@ -142,17 +173,33 @@ fn connect_drafter(args: &Args, model: &TargetModel) -> Result<Option<Arc<Remote
     };
     let runtime = tokio::runtime::Handle::current();
     let deadline = Duration::from_millis(args.drafter_deadline_ms);
-    let drafter = RemoteDrafter::new(url, runtime.clone(), target, deadline);
+    let drafter =
+        RemoteDrafter::new(url.clone(), drafter_tls(args, &url)?, runtime.clone(), target, deadline);
     match runtime.block_on(drafter.connect_now()) {
         Ok(info) => {
             tracing::info!(kind = info.handshake.kind, taps = ?info.tap_layers, "drafter ready")
         }
-        Err(e @ DrafterError::Mismatch { .. }) => return Err(StartupError::Drafter(e.to_string())),
+        Err(e @ DrafterError::Mismatch { .. }) => {
+            tracing::error!(error = %e, "drafter does not fit this target; requests decode without it until one does")
+        }
         Err(e) => {
             tracing::warn!(error = %e, "drafter not reachable yet; requests decode greedily until it is")
         }
     }
     Ok(Some(drafter))
+}
+
+/// The drafter hop's TLS: for an `https` URL, from the --drafter-ca / --drafter-client-* files.
+fn drafter_tls(args: &Args, url: &str) -> Result<Option<tonic::transport::ClientTlsConfig>, StartupError> {
+    let bad = |reason: String| StartupError::DrafterUrl { url: url.to_string(), reason };
+    let uri: tonic::transport::Uri = url.parse().map_err(|e| bad(format!("invalid URL: {e}")))?;
+    let host = uri.host().ok_or_else(|| bad("the URL names no host".into()))?;
+    let flags = glance_security::ClientTlsFlags {
+        ca: "--drafter-ca",
+        cert: "--drafter-client-cert",
+        key: "--drafter-client-key",
+    };
+    Ok(args.drafter_tls().config(flags, uri.scheme_str() == Some("https"), host)?)
 }
 
 fn decoding_defaults(args: &Args, drafter_configured: bool) -> DecodingDefaults {
@@ -235,13 +282,17 @@ fn model_id(dir: &Path) -> String {
     canonical.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// Health service names: `""` is liveness (serving while the process works, also while it
-/// drains), `glance.v1.Generation` is readiness (not serving while draining, or while a configured
-/// drafter is not connected: speculation unavailable).
+/// Health service names. `""` is liveness: serving while the process works, also while it drains.
+/// `glance.v1.Generation` is readiness: serving until the drain begins. A missing drafter does not
+/// make the server unready (it decodes losslessly without one); that is [`DRAFTER_HEALTH`].
 const READINESS: &str = "glance.v1.Generation";
+/// Serving while a drafter that fits this target is connected (speculative decoding available);
+/// also `glance_drafter_connected` and `ModelInfo.drafter_connected`.
+pub const DRAFTER_HEALTH: &str = "glance.drafter";
 
-/// Serves on `listener` until `signal` resolves, then drains: readiness turns NOT_SERVING, new
-/// requests are refused with UNAVAILABLE, running ones finish, and only then does this return.
+/// Serves on `listener` until `signal` resolves, then drains: readiness turns NOT_SERVING, waiting
+/// and new requests are refused with UNAVAILABLE, running ones finish within the drain timeout
+/// (then end with UNAVAILABLE), and only then does this return.
 pub async fn serve(
     loaded: Loaded,
     listener: TcpListener,
@@ -249,58 +300,69 @@ pub async fn serve(
 ) -> Result<(), StartupError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
-    let draining = loaded.service.draining();
-    let drafter = loaded.drafter.clone();
-    tokio::spawn(watch_readiness(health.clone(), drafter, Arc::clone(&draining)));
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| StartupError::Serve(e.to_string()))?;
+    health.set_service_status(READINESS, tonic_health::ServingStatus::Serving).await;
+    let drain = loaded.service.drain();
+    tokio::spawn(watch_drafter(health.clone(), loaded.drafter.clone()));
+    // Reflection in both versions: grpcurl before 1.9, older grpcui, Postman and Python's
+    // grpc_reflection clients speak only v1alpha.
+    let reflection_v1 = reflection().build_v1().map_err(|e| StartupError::Serve(e.to_string()))?;
+    let reflection_v1alpha = reflection().build_v1alpha().map_err(|e| StartupError::Serve(e.to_string()))?;
+    // The API key guards the public API and its reflection; health stays open to probes.
+    let auth = glance_security::RequireApiKey(loaded.api_keys);
     let generation = pb::generation_server::GenerationServer::new(loaded.service)
         .max_decoding_message_size(loaded.max_request_bytes);
+    let generation = InterceptedService::new(generation, auth.clone());
+    let reflection_v1 = InterceptedService::new(reflection_v1, auth.clone());
+    let reflection_v1alpha = InterceptedService::new(reflection_v1alpha, auth);
     let shutdown = async move {
         signal.await;
-        tracing::info!("draining: refusing new requests, finishing running ones");
-        draining.store(true, Ordering::SeqCst);
+        let refused = drain.begin();
+        let timeout = drain.timeout();
+        tracing::info!(refused, ?timeout, "draining: waiting requests refused, running ones finishing");
         health.set_service_status(READINESS, tonic_health::ServingStatus::NotServing).await;
+        tokio::spawn(async move {
+            tokio::time::sleep(timeout).await;
+            tracing::warn!(?timeout, "drain timeout: stopping the generations still running");
+            drain.expire();
+        });
     };
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let mut server = tonic::transport::Server::builder().tcp_nodelay(true);
+    if let Some(tls) = loaded.tls {
+        server = server.tls_config(tls).map_err(|e| StartupError::Serve(format!("TLS: {e}")))?;
+    }
+    server
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(generation)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await
         .map_err(|e| StartupError::Serve(e.to_string()))
 }
 
-/// Keeps readiness and the drafter gauge current, reconnecting to the drafter in the background.
-async fn watch_readiness(
-    health: tonic_health::server::HealthReporter,
-    drafter: Option<Arc<RemoteDrafter>>,
-    draining: Arc<std::sync::atomic::AtomicBool>,
-) {
+/// Reflection over the public services only (the Generation API and health).
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
+/// Keeps the drafter's health status and gauge current, reconnecting to it in the background.
+async fn watch_drafter(health: tonic_health::server::HealthReporter, drafter: Option<Arc<RemoteDrafter>>) {
+    let Some(drafter) = drafter else {
+        metrics::gauge!(crate::metrics::DRAFTER_CONNECTED).set(0.0);
+        health.set_service_status(DRAFTER_HEALTH, tonic_health::ServingStatus::NotServing).await;
+        return;
+    };
     loop {
-        let connected = match &drafter {
-            Some(d) => {
-                let d = Arc::clone(d);
-                tokio::task::spawn_blocking(move || d.ensure_connected()).await.unwrap_or(false)
-            }
-            None => true,
+        let d = Arc::clone(&drafter);
+        let connected = tokio::task::spawn_blocking(move || d.ensure_connected()).await.unwrap_or(false);
+        metrics::gauge!(crate::metrics::DRAFTER_CONNECTED).set(if connected { 1.0 } else { 0.0 });
+        let status = match connected {
+            true => tonic_health::ServingStatus::Serving,
+            false => tonic_health::ServingStatus::NotServing,
         };
-        metrics::gauge!(crate::metrics::DRAFTER_CONNECTED).set(if drafter.is_some() && connected {
-            1.0
-        } else {
-            0.0
-        });
-        let ready = connected && !draining.load(Ordering::SeqCst);
-        let status = if ready {
-            tonic_health::ServingStatus::Serving
-        } else {
-            tonic_health::ServingStatus::NotServing
-        };
-        health.set_service_status(READINESS, status).await;
+        health.set_service_status(DRAFTER_HEALTH, status).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

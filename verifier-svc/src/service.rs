@@ -2,7 +2,6 @@
 //! runtime, admits them to the engine and relays its events as unary or streamed responses.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,8 +38,6 @@ pub struct GenerationService {
     defaults: DecodingDefaults,
     info: pb::ModelInfoResponse,
     drafter: Option<Arc<crate::drafter_client::RemoteDrafter>>,
-    /// Set on SIGTERM: new requests are refused while running ones finish.
-    draining: Arc<AtomicBool>,
 }
 
 impl GenerationService {
@@ -51,12 +48,12 @@ impl GenerationService {
         info: pb::ModelInfoResponse,
         drafter: Option<Arc<crate::drafter_client::RemoteDrafter>>,
     ) -> Self {
-        Self { engine, limits, defaults, info, drafter, draining: Arc::new(AtomicBool::new(false)) }
+        Self { engine, limits, defaults, info, drafter }
     }
 
-    /// The flag that drain on shutdown sets.
-    pub fn draining(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.draining)
+    /// The engine's shutdown control (SIGTERM).
+    pub fn drain(&self) -> crate::engine::Drain {
+        self.engine.drain()
     }
 
     /// Validates, admits, preprocesses and queues a request; returns the engine's event receiver.
@@ -66,8 +63,8 @@ impl GenerationService {
         span: &tracing::Span,
         arrived: Instant,
     ) -> Result<mpsc::Receiver<Event>, VerifierError> {
-        if self.draining.load(Ordering::SeqCst) {
-            return Err(VerifierError::Unavailable("the server is shutting down".into()));
+        if self.engine.drain().is_draining() {
+            return Err(VerifierError::Unavailable(crate::engine::SHUTTING_DOWN.into()));
         }
         let ignore_eos = request.decoding.as_ref().is_some_and(|d| d.ignore_eos);
         let log_rounds = request.decoding.as_ref().is_some_and(|d| d.log_rounds);

@@ -5,18 +5,46 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use glance_client::v1 as pb;
-use glance_client::v1::generation_client::GenerationClient;
-use glance_client::{decode_ms_per_token, Mode, Request, Sampling};
-use tonic::transport::Channel;
+use glance_client::{decode_ms_per_token, Client, Mode, Request, Sampling, Server};
+use tonic_health::pb::health_check_response::ServingStatus;
 
 #[derive(Parser)]
 #[command(name = "glance", version, about = "Client for a glance verifier-svc")]
 struct Cli {
-    /// Address of verifier-svc.
+    /// Address of verifier-svc (`https://` with --tls-ca).
     #[arg(long, env = "GLANCE_ADDR", default_value = "http://127.0.0.1:50051")]
     addr: String,
+    /// API key, sent as `authorization: Bearer <key>`.
+    #[arg(long, env = "GLANCE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The CA (PEM) the server's certificate chains to (for an https address).
+    #[arg(long, env = "GLANCE_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// The name the server's certificate must carry (default: the address's host).
+    #[arg(long, env = "GLANCE_TLS_DOMAIN")]
+    tls_domain: Option<String>,
+    /// A client certificate and key (PEM), for a server that requires them (mTLS).
+    #[arg(long, env = "GLANCE_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, env = "GLANCE_TLS_KEY")]
+    tls_key: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
+}
+
+impl Cli {
+    fn server(&self) -> Server {
+        Server {
+            addr: self.addr.clone(),
+            tls: glance_security::ClientTlsFiles {
+                ca: self.tls_ca.clone(),
+                cert: self.tls_cert.clone(),
+                key: self.tls_key.clone(),
+                domain: self.tls_domain.clone(),
+            },
+            api_key: self.api_key.clone(),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -29,6 +57,14 @@ enum Command {
     Compare(GenerateArgs),
     /// Prints the served model and its limits.
     Info,
+    /// Asks grpc.health.v1 (no API key needed): exits 0 when SERVING, 1 otherwise. A container
+    /// health check that loads no libtorch.
+    Health {
+        /// `""`: the process; `glance.v1.Generation`: ready to serve; `glance.drafter`: a drafter
+        /// is connected (verifier); `glance.drafter.v1.Drafter`: a drafter ready for sessions.
+        #[arg(long, default_value = "")]
+        service: String,
+    },
 }
 
 #[derive(clap::Args, Clone)]
@@ -93,8 +129,13 @@ async fn main() {
 type Error = Box<dyn std::error::Error>;
 
 async fn run(cli: Cli) -> Result<(), Error> {
-    let mut client = glance_client::connect(&cli.addr).await?;
+    let server = cli.server();
+    if let Command::Health { service } = &cli.command {
+        return health(&server, service).await;
+    }
+    let mut client = server.connect().await?;
     match cli.command {
+        Command::Health { .. } => unreachable!("answered above"),
         Command::Info => {
             let info = client.model_info(pb::ModelInfoRequest {}).await?.into_inner();
             println!("{info:#?}");
@@ -115,7 +156,19 @@ async fn run(cli: Cli) -> Result<(), Error> {
     Ok(())
 }
 
-async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
+/// grpc.health.v1 Check of `service`: Ok when SERVING.
+async fn health(server: &Server, service: &str) -> Result<(), Error> {
+    let mut health = tonic_health::pb::health_client::HealthClient::new(server.channel().await?);
+    let request = tonic_health::pb::HealthCheckRequest { service: service.to_string() };
+    let status = health.check(request).await?.into_inner().status();
+    println!("{:?}: {}", service, status.as_str_name());
+    match status {
+        ServingStatus::Serving => Ok(()),
+        _ => Err(format!("{service:?} is {}", status.as_str_name()).into()),
+    }
+}
+
+async fn stream(client: &mut Client, args: &GenerateArgs) -> Result<(), Error> {
     use std::io::Write;
     let started = Instant::now();
     let mut stream = client.generate_stream(build_request(args, args.mode)?).await?.into_inner();
@@ -140,7 +193,7 @@ async fn stream(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> 
 
 /// Autoregressive first, then the requested mode (auto by default): the speed-up is the ratio of
 /// decode milliseconds per token, both measured by the server on this request.
-async fn compare(client: &mut GenerationClient<Channel>, args: &GenerateArgs) -> Result<(), Error> {
+async fn compare(client: &mut Client, args: &GenerateArgs) -> Result<(), Error> {
     let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Auto } else { args.mode };
     let started = Instant::now();
     let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();

@@ -401,8 +401,13 @@ fn measure_hop(args: &Args) -> Hop {
         num_layers: info.tap_layers.iter().max().map_or(1, |&l| l + 1),
         kind: Kind::Float,
     };
-    let remote =
-        RemoteDrafter::new(drafter.url.clone(), runtime.handle().clone(), target, Duration::from_secs(5));
+    let remote = RemoteDrafter::new(
+        drafter.url.clone(),
+        None,
+        runtime.handle().clone(),
+        target,
+        Duration::from_secs(5),
+    );
     runtime.block_on(remote.connect_now()).expect("the drafter fits");
     let mut session = RemoteProvider::new(remote).expect("a handshake").open().expect("a draft stream");
     let (mut position, mut hops, mut engine_hops, mut bytes) = (0, Vec::new(), Vec::new(), 0);
