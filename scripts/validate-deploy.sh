@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Validates the deployment files without Docker or a cluster (neither exists on the project's
-# machines), in well under two minutes:
+# machines), offline once the tools are installed, in seconds:
 #   - renders deploy/k8s/base and every deploy/k8s/overlays/* with kustomize and validates every
-#     object strictly against the Kubernetes schemas (kubernetes-validate; versions below), the
-#     ServiceMonitor CRD against deploy/validate/servicemonitor.schema.json, plus cross-object checks;
+#     object strictly against the Kubernetes schemas (kubernetes-validate; versions below), the CRD
+#     kinds (ServiceMonitor, PrometheusRule, ScaledObject, Certificate, Issuer) against the strict
+#     subsets in deploy/validate/*.schema.json, plus cross-object checks (probes, drain and
+#     autoscaling arithmetic, versioned model paths and fingerprints, TLS wiring, Secrets, alerts);
 #   - validates docker-compose.yml and deploy/compose/gpu.yml against the Compose specification's
-#     JSON schema (as vendored by the pinned check-jsonschema), plus wiring checks;
-#   - parses deploy/docker/*.Dockerfile with the BuildKit parser and checks them.
+#     JSON schema (as vendored by the pinned check-jsonschema), plus wiring, default model paths
+#     (also those the READMEs name), health checks and drain checks;
+#   - parses deploy/docker/*.Dockerfile with the BuildKit parser and checks them, and the CUDA pins
+#     of deploy/docker/constraints.txt;
+#   - checks that deploy/grafana/glance-dashboard.json queries only metrics the services export.
+# deploy/README.md ("Validation") lists every check.
 # Tools are pinned in deploy/validate/requirements.txt and installed from PyPI into .deploy-venv/
 # (never the project's .venv); the renderer is `kubectl kustomize` (kubectl ships on the project's
 # machines) or a standalone `kustomize`. Exits non-zero on any failure.

@@ -3,18 +3,26 @@
 # drafter-svc: the internal glance.drafter.v1.Drafter API; runs the draft head on its own device.
 #
 # Build from the repository root (the context is the Cargo workspace; see .dockerignore):
-#   docker build -f deploy/docker/drafter-svc.Dockerfile -t glance/drafter-svc:dev .
+#   docker build -f deploy/docker/drafter-svc.Dockerfile -t localhost/glance/drafter-svc:dev .
 #
 # Same recipe as verifier-svc.Dockerfile: libtorch from the pinned PyPI wheel torch==2.13.0 in a
 # virtualenv (LIBTORCH_USE_PYTORCH=1, as scripts/setup.sh does); the runtime stage keeps torch's
 # lib/ and the nvidia/*/lib directories its RPATH points at, at their build-time absolute paths,
-# plus the binary. The CUDA driver comes from the NVIDIA container toolkit when a GPU is granted.
+# plus the binaries. The CUDA driver (R580 or newer) comes from the NVIDIA container toolkit when a
+# GPU is granted. Also ships the `glance` client (no libtorch), the container health check.
 
-ARG RUST_VERSION=1.95
-ARG DEBIAN_RELEASE=bookworm
+# Base images are build arguments so that a release pins them by digest without editing this file
+# (this repository cannot look digests up: no registry access here):
+#   docker buildx imagetools inspect debian:bookworm-slim     # -> Digest: sha256:...
+#   docker build --build-arg RUNTIME_IMAGE=debian:bookworm-slim@sha256:<digest> \
+#                --build-arg RUST_IMAGE=rust:1.95-bookworm@sha256:<digest> ...
+# Both must stay on the same Debian release: the build stage's Python (bookworm: 3.11) is what
+# deploy/docker/constraints.txt was resolved for, and the runtime stage runs what it links.
+ARG RUST_IMAGE=rust:1.95-bookworm
+ARG RUNTIME_IMAGE=debian:bookworm-slim
 
 ############################################################################### build
-FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS build
+FROM ${RUST_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 
 RUN apt-get update \
@@ -28,9 +36,12 @@ ENV VIRTUAL_ENV=/opt/venv \
     CARGO_TERM_COLOR=never
 
 # About 2.6 GB (torch + the nvidia-* wheels it depends on); its own layer, cached across source edits.
+# deploy/docker/constraints.txt pins every wheel torch pulls in (the CUDA libraries included), so a
+# later rebuild copies the same libraries into the runtime stage.
 RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=bind,source=deploy/docker/constraints.txt,target=/tmp/constraints.txt \
     python3 -m venv "$VIRTUAL_ENV" \
- && pip install --disable-pip-version-check "torch==${TORCH_VERSION}" \
+ && pip install --disable-pip-version-check --constraint /tmp/constraints.txt "torch==${TORCH_VERSION}" \
  && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
 
 WORKDIR /src
@@ -39,8 +50,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=glance-cargo-target \
-    cargo build --release --locked -p drafter-svc --bin drafter-svc \
- && install -D -m 0755 target/release/drafter-svc /out/usr/local/bin/drafter-svc
+    cargo build --release --locked -p drafter-svc -p glance-client --bin drafter-svc --bin glance \
+ && install -D -m 0755 target/release/drafter-svc /out/usr/local/bin/drafter-svc \
+ && install -D -m 0755 target/release/glance /out/usr/local/bin/glance
 
 # Stage libtorch and the CUDA libraries at their build-time absolute paths; drop what a Rust
 # binary never loads (static archives, headers, the Python bindings).
@@ -57,7 +69,7 @@ RUN set -eu; \
     du -sh /out
 
 ############################################################################### runtime
-FROM debian:${DEBIAN_RELEASE}-slim AS runtime
+FROM ${RUNTIME_IMAGE} AS runtime
 
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
@@ -70,16 +82,21 @@ COPY --from=build /out/ /
 
 # Fail the build, not the pod, if a library does not resolve in the runtime image.
 RUN ! ldd /usr/local/bin/drafter-svc | grep -F 'not found' \
- && drafter-svc --version
+ && drafter-svc --version \
+ && glance --version
 
 # Caches libtorch/CUDA may write go to /tmp (an emptyDir or tmpfs): the root file system can be
 # mounted read-only. NVIDIA_VISIBLE_DEVICES is deliberately not set here: GPUs are granted by the
 # orchestrator (compose device reservations, the Kubernetes device plugin), never by the image.
+# NVIDIA_REQUIRE_CUDA: the libraries are CUDA 13.0, which needs a driver of branch R580 or newer;
+# the NVIDIA container toolkit refuses to start a GPU container on an older driver instead of
+# letting the first CUDA call fail (it does not apply without a GPU).
 ENV HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \
     CUDA_CACHE_PATH=/tmp/.nv/ComputeCache \
     PYTORCH_KERNEL_CACHE_PATH=/tmp/.cache/torch/kernels \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NVIDIA_REQUIRE_CUDA="cuda>=13.0" \
     RUST_LOG=info \
     NO_COLOR=1 \
     GLANCE_DRAFTER_KIND=block-head \

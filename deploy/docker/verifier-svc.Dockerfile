@@ -1,24 +1,32 @@
 # syntax=docker/dockerfile:1.7
 #
 # verifier-svc: the public glance.v1.Generation API; owns the target VLM. Also ships the `glance`
-# client (used by the compose health check, and handy inside a pod).
+# client (no libtorch): the health check of compose and of the TLS probes, and handy inside a pod.
 #
 # Build from the repository root (the context is the Cargo workspace; see .dockerignore):
-#   docker build -f deploy/docker/verifier-svc.Dockerfile -t glance/verifier-svc:dev .
+#   docker build -f deploy/docker/verifier-svc.Dockerfile -t localhost/glance/verifier-svc:dev .
 #
 # libtorch comes from the pinned PyPI wheel torch==2.13.0 (the CUDA 13 build, which also runs on
 # CPU), exactly as scripts/setup.sh gets it: a virtualenv with torch and LIBTORCH_USE_PYTORCH=1.
 # The runtime stage keeps only torch's lib/ directory, the nvidia/*/lib directories that torch's
 # RPATH ($ORIGIN/../../nvidia/...) points at, and the binaries, at the same absolute paths as in
 # the build stage, so the binaries' RUNPATH (set by build-support/link_libtorch.rs) resolves
-# without LD_LIBRARY_PATH. The CUDA driver (libcuda.so) is not in the image: the NVIDIA container
-# toolkit mounts it when the container is given a GPU; without one the service runs on CPU.
+# without LD_LIBRARY_PATH. The CUDA driver (libcuda.so, branch R580 or newer for CUDA 13) is not in
+# the image: the NVIDIA container toolkit mounts it when the container is given a GPU; without one
+# the service runs on CPU.
 
-ARG RUST_VERSION=1.95
-ARG DEBIAN_RELEASE=bookworm
+# Base images are build arguments so that a release pins them by digest without editing this file
+# (this repository cannot look digests up: no registry access here):
+#   docker buildx imagetools inspect debian:bookworm-slim     # -> Digest: sha256:...
+#   docker build --build-arg RUNTIME_IMAGE=debian:bookworm-slim@sha256:<digest> \
+#                --build-arg RUST_IMAGE=rust:1.95-bookworm@sha256:<digest> ...
+# Both must stay on the same Debian release: the build stage's Python (bookworm: 3.11) is what
+# deploy/docker/constraints.txt was resolved for, and the runtime stage runs what it links.
+ARG RUST_IMAGE=rust:1.95-bookworm
+ARG RUNTIME_IMAGE=debian:bookworm-slim
 
 ############################################################################### build
-FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS build
+FROM ${RUST_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 
 RUN apt-get update \
@@ -32,9 +40,12 @@ ENV VIRTUAL_ENV=/opt/venv \
     CARGO_TERM_COLOR=never
 
 # About 2.6 GB (torch + the nvidia-* wheels it depends on); its own layer, cached across source edits.
+# deploy/docker/constraints.txt pins every wheel torch pulls in (the CUDA libraries included), so a
+# later rebuild copies the same libraries into the runtime stage.
 RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=bind,source=deploy/docker/constraints.txt,target=/tmp/constraints.txt \
     python3 -m venv "$VIRTUAL_ENV" \
- && pip install --disable-pip-version-check "torch==${TORCH_VERSION}" \
+ && pip install --disable-pip-version-check --constraint /tmp/constraints.txt "torch==${TORCH_VERSION}" \
  && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
 
 WORKDIR /src
@@ -62,7 +73,7 @@ RUN set -eu; \
     du -sh /out
 
 ############################################################################### runtime
-FROM debian:${DEBIAN_RELEASE}-slim AS runtime
+FROM ${RUNTIME_IMAGE} AS runtime
 
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
@@ -81,11 +92,15 @@ RUN ! ldd /usr/local/bin/verifier-svc | grep -F 'not found' \
 # Caches libtorch/CUDA may write go to /tmp (an emptyDir or tmpfs): the root file system can be
 # mounted read-only. NVIDIA_VISIBLE_DEVICES is deliberately not set here: GPUs are granted by the
 # orchestrator (compose device reservations, the Kubernetes device plugin), never by the image.
+# NVIDIA_REQUIRE_CUDA: the libraries are CUDA 13.0, which needs a driver of branch R580 or newer;
+# the NVIDIA container toolkit refuses to start a GPU container on an older driver instead of
+# letting the first CUDA call fail (it does not apply without a GPU).
 ENV HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \
     CUDA_CACHE_PATH=/tmp/.nv/ComputeCache \
     PYTORCH_KERNEL_CACHE_PATH=/tmp/.cache/torch/kernels \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NVIDIA_REQUIRE_CUDA="cuda>=13.0" \
     RUST_LOG=info \
     NO_COLOR=1 \
     GLANCE_MODEL=/models/target \
