@@ -12,8 +12,9 @@
 # Steps, each with a time limit, its log and JSON in results.tar.gz under $OUT (default
 # build-device/out; re-packed after every step, so a run cut short still brings back what it did),
 # beside device-check.log and summary.json (which steps passed, how long each took):
-#   parity     both VLM families and both text families against the committed reference dumps,
-#              f32 within 1e-4 and bf16/f16 close (model_parity, text_model_parity)
+#   parity     both VLM families (the six PIL-processor cases) and both text families against the
+#              committed reference dumps, f32 within 1e-4 and bf16/f16 close (model_parity,
+#              text_model_parity)
 #   crossings  the whole pipeline in one process on the device (verifier rounds, wire codec, the
 #              toy head's session): identical to greedy, host syncs per round as counted
 #   lossless   the losslessness suite (random head, oracle, slow oracle, garbage drafter, prompt
@@ -68,6 +69,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 # references there too. In f32 (the services would take bf16 on CUDA by default), except where a
 # step says otherwise.
 export GLANCE_FIXTURES="$FIXTURES" GLANCE_REQUIRE_FIXTURES=1 GLANCE_TEST_DEVICE="$DEVICE"
+# The VLM parity cases through transformers' PIL processor; the torchvision ones differ only in
+# their host-side preprocessing and stay home (build-device.sh leaves them out of what travels).
+export GLANCE_PARITY_CASES=text_only,one_image,two_images,resized,multi_turn,alpha
 export GLANCE_DEVICE="$DEVICE" GLANCE_DRAFTER_DEVICE="$DEVICE" GLANCE_DTYPE=f32 GLANCE_DRAFTER_DTYPE=f32
 export RUST_BACKTRACE=1 OMP_NUM_THREADS=1
 

@@ -42,6 +42,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     --target "$GLANCE_FIXTURES/tiny-qwen3-vl" --out "$GLANCE_FIXTURES/tiny-qwen3-vl-dflash"
   .venv/bin/python tests/reference/make_dflash_reference.py \
     --target "$GLANCE_FIXTURES/tiny-llama" --out "$GLANCE_FIXTURES/tiny-llama-dflash"
+  .venv/bin/python tests/reference/make_eagle3_reference.py \
+    --target "$GLANCE_FIXTURES/tiny-llama" --out "$GLANCE_FIXTURES/tiny-llama-eagle3"
   # Readable by the containers' non-root user too (save_pretrained writes 0600).
   chmod -R a+rX "$GLANCE_FIXTURES"
   echo "$want" > "$stamp"

@@ -1,5 +1,6 @@
-//! The GLANCE block-head engine behind the service: one draft pass per round, then the best-first
-//! tree from the per-offset marginals. (Prompt lookup is in `glance_spec::prompt_lookup`.)
+//! The engines behind the service: the GLANCE block head (one draft pass per round, then the
+//! best-first tree from the per-offset marginals) and the EAGLE-3 head (a pass over the new
+//! context, then one pass per tree depth). (Prompt lookup is in `glance_spec::prompt_lookup`.)
 
 use std::path::Path;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use glance_spec::session::{
 use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
 use tch::{Device, Kind, Tensor};
 
+use crate::eagle3::{Eagle3Head, TreeShape};
 use crate::head::{DraftHead, HeadError};
 
 /// The head shared by concurrent sessions.
@@ -143,5 +145,160 @@ impl Session for BlockHeadSession {
         let marginals =
             Marginals::top_k(&logits, round.branch_k).map_err(|e| DraftError::Internal(e.to_string()))?;
         Ok(build_budget_tree(&marginals, round.budget.min(MAX_TREE_NODES), round.branch_k))
+    }
+}
+
+/// The EAGLE-3 head shared by concurrent sessions.
+struct SharedEagle3(Eagle3Head);
+
+// SAFETY: as for [`SharedHead`]: after loading the head's tensors are only read; each session's
+// draft KV cache is its own.
+unsafe impl Sync for SharedEagle3 {}
+
+pub struct Eagle3Engine {
+    head: Arc<SharedEagle3>,
+    fingerprint: String,
+    max_context: usize,
+    /// Passes per tree after the first: a round drafts at most `expansions + 1` tokens deep.
+    expansions: usize,
+}
+
+/// The widest EAGLE-3 expansion (children per node and nodes expanded per depth): EAGLE's own
+/// settings use 8 to 10, and each is one row of every pass.
+const MAX_EAGLE3_TOP_K: usize = 64;
+
+impl Eagle3Engine {
+    pub fn load(
+        head_dir: &Path,
+        target_dir: &Path,
+        kind: Kind,
+        device: Device,
+        max_context: usize,
+        expansions: usize,
+    ) -> Result<Self, HeadError> {
+        let head = Eagle3Head::load(head_dir, target_dir, kind, device)?;
+        let fingerprint =
+            glance_models::weights::target_fingerprint(target_dir, &TargetConfig::read(target_dir)?)?;
+        Ok(Self { head: Arc::new(SharedEagle3(head)), fingerprint, max_context, expansions })
+    }
+}
+
+impl DraftEngine for Eagle3Engine {
+    fn handshake(&self) -> Handshake {
+        let c = self.head.0.config();
+        Handshake {
+            kind: DrafterKind::Eagle3,
+            // A tree is at most `expansions + 1` deep: the block of a drafter that deep.
+            block_size: self.expansions + 2,
+            mask_token_id: 0,
+            tap_layers: c.tap_layers.clone(),
+            hidden_size: c.target_hidden_size as usize,
+            vocab_size: c.vocab_size as usize,
+            dtype: self.head.0.kind(),
+            target_fingerprint: self.fingerprint.clone(),
+            max_tree_nodes: MAX_TREE_NODES,
+        }
+    }
+
+    fn new_session(&self) -> Box<dyn Session> {
+        let capacity = self.max_context + self.expansions * MAX_EAGLE3_TOP_K;
+        Box::new(Eagle3Session {
+            head: Arc::clone(&self.head),
+            cache: self.head.0.new_cache(capacity),
+            history: TokenHistory::default(),
+            pending: Vec::new(),
+            last: None,
+            max_context: self.max_context,
+            expansions: self.expansions,
+        })
+    }
+}
+
+struct Eagle3Session {
+    head: Arc<SharedEagle3>,
+    /// One row per committed position p: the pair (target state at p, token p+1).
+    cache: KvCache,
+    history: TokenHistory,
+    /// Target states of positions not yet in the cache (their next token is not known until the
+    /// next round's root, or the next context rows).
+    pending: Vec<Tensor>,
+    /// The head's output at the last cached position (its tree grows from there).
+    last: Option<Tensor>,
+    max_context: usize,
+    expansions: usize,
+}
+
+impl Session for Eagle3Session {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[TokenId],
+        states: Option<Tensor>,
+    ) -> Result<(), DraftError> {
+        let head = &self.head.0;
+        let states = states.ok_or_else(|| DraftError::States("the EAGLE-3 head needs tap states".into()))?;
+        let width = 3 * head.config().target_hidden_size;
+        if states.size() != [tokens.len() as i64, width] {
+            return Err(DraftError::States(format!(
+                "shape {:?}, expected [{}, {width}]",
+                states.size(),
+                tokens.len()
+            )));
+        }
+        if first + tokens.len() > self.max_context {
+            return Err(DraftError::Capacity(format!(
+                "{} positions, past the session's context limit of {}",
+                first + tokens.len(),
+                self.max_context
+            )));
+        }
+        self.history.append(first, tokens)?;
+        let device = head.device();
+        let states =
+            if states.device() == device { states } else { glance_models::upload_tensor(&states, device) };
+        self.pending.push(states);
+        Ok(())
+    }
+
+    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
+        self.history.check_root(round)?;
+        let internal = |e: HeadError| DraftError::Internal(e.to_string());
+        self.consume_context(round.root_token).map_err(internal)?;
+        let last =
+            self.last.as_ref().ok_or_else(|| DraftError::States("no context before the root".into()))?;
+        let shape = TreeShape {
+            top_k: round.branch_k.clamp(1, MAX_EAGLE3_TOP_K),
+            expansions: self.expansions,
+            budget: round.budget.min(MAX_TREE_NODES),
+        };
+        self.head.0.grow_tree(&mut self.cache, last, round.root_position, shape).map_err(internal)
+    }
+}
+
+impl Eagle3Session {
+    /// Runs the pending target states through the head, each paired with the next token (the
+    /// last one with the round's root), and keeps the output at the last position.
+    fn consume_context(&mut self, root: TokenId) -> Result<(), HeadError> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let head = &self.head.0;
+        let states = Tensor::cat(&std::mem::take(&mut self.pending), 0);
+        let rows = states.size()[0] as usize;
+        let start = self.cache.len();
+        self.cache.ensure_room(rows)?;
+        let next: Vec<i64> = self.history.tokens[start + 1..]
+            .iter()
+            .chain(std::iter::once(&root))
+            .map(|&t| i64::from(t))
+            .collect();
+        let tokens = glance_models::upload(&next, head.device());
+        let positions =
+            Tensor::arange_start(start as i64, (start + rows) as i64, (Kind::Int64, head.device()));
+        let visible = head.causal_visibility(start, rows);
+        let out = head.forward(&mut self.cache, &states, &tokens, &positions, &visible);
+        self.cache.advance(rows);
+        self.last = Some(out.narrow(0, rows as i64 - 1, 1));
+        Ok(())
     }
 }

@@ -575,6 +575,20 @@ fn check_shared_matrices(
     Ok(())
 }
 
+/// The target's input embedding (vocab, hidden), read alone from its checkpoint.
+pub fn load_target_embedding(target_dir: &Path, kind: Kind, device: Device) -> Result<Tensor, HeadError> {
+    let mut found = read_named_tensors(target_dir, &TARGET_EMBEDDING, kind, device)?;
+    TARGET_EMBEDDING.iter().find_map(|name| found.remove(*name)).ok_or_else(|| {
+        HeadError::Weights(WeightsError::Missing {
+            name: TARGET_EMBEDDING[0].into(),
+            alternatives: vec![TARGET_EMBEDDING[1].into()],
+        })
+    })
+}
+
+/// The target's input embedding under its transformers 5.x and 4.x names.
+const TARGET_EMBEDDING: [&str; 2] = ["model.language_model.embed_tokens.weight", "model.embed_tokens.weight"];
+
 /// The target's input embedding and LM head (tied to the embedding when the target says so),
 /// read alone from its checkpoint.
 fn load_target_matrices(
@@ -583,7 +597,7 @@ fn load_target_matrices(
     kind: Kind,
     device: Device,
 ) -> Result<(Tensor, Tensor), HeadError> {
-    const EMBED: [&str; 2] = ["model.language_model.embed_tokens.weight", "model.embed_tokens.weight"];
+    const EMBED: [&str; 2] = TARGET_EMBEDDING;
     const LM_HEAD: &str = "lm_head.weight";
     let mut found = read_named_tensors(target_dir, &[EMBED[0], EMBED[1], LM_HEAD], kind, device)?;
     let embed = EMBED.iter().find_map(|name| found.remove(*name)).ok_or_else(|| WeightsError::Missing {

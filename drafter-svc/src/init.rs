@@ -1,9 +1,10 @@
-//! A randomly initialized draft head for a given target: the fixture for tests today and the
-//! starting point of training later. Writes a DFlash-style model directory (`config.json` as
-//! the public DFlash checkpoints spell it, `model.safetensors` with DFlash's tensor names) whose
-//! dimensions follow the target's language model. Initialization as transformers'
-//! Qwen3PreTrainedModel does it: matrices N(0, std), RMSNorm weights 1. Seeded with a private
-//! generator, so the same spec gives the same bytes whatever else runs in the process.
+//! Randomly initialized draft heads for a given target: the fixture for tests and the starting
+//! point of training. Writes a DFlash-style model directory (`config.json` as the public DFlash
+//! checkpoints spell it, `model.safetensors` with DFlash's tensor names), or an EAGLE-3 one (as
+//! EAGLE and SpecForge save theirs), whose dimensions follow the target's language model.
+//! Initialization as transformers' PreTrainedModel does it: matrices N(0, std), RMSNorm weights 1.
+//! Seeded with a private generator, so the same spec gives the same bytes whatever else runs in
+//! the process.
 
 use std::path::Path;
 
@@ -14,6 +15,7 @@ use glance_models::TextConfig;
 use glance_train::rng::{fnv1a, Rng};
 use glance_train::save::{self, SaveError};
 
+use crate::eagle3::{default_tap_layers, Eagle3Config};
 use crate::head::{build_target_layer_ids, read_json, target_text_config, DraftHeadConfig, HeadError};
 
 #[derive(Debug, thiserror::Error)]
@@ -250,4 +252,117 @@ fn normal_matrix(name: &str, shape: &[i64], spec: &HeadSpec) -> Tensor {
     let mut rng = Rng::new(spec.seed ^ fnv1a(name.as_bytes()));
     let values: Vec<f32> = (0..count).map(|_| (rng.standard_normal() * spec.init_std) as f32).collect();
     Tensor::from_slice(&values).view(shape)
+}
+
+/// What EAGLE-3 head to build; dimensions are the target's (one decoder layer of its width).
+#[derive(Clone, Debug)]
+pub struct Eagle3Spec {
+    /// Default: EAGLE's taps for the target's depth (outputs of layers 1, N/2−1, N−4).
+    pub tap_layers: Option<Vec<usize>>,
+    /// The draft vocabulary: target ids, increasing (EAGLE takes the most frequent tokens of the
+    /// training responses); `None` drafts over the whole vocabulary (no `d2t`).
+    pub draft_vocab: Option<Vec<i64>>,
+    pub seed: u64,
+    pub init_std: f64,
+}
+
+impl Eagle3Spec {
+    pub fn new(seed: u64) -> Self {
+        Self { tap_layers: None, draft_vocab: None, seed, init_std: 0.02 }
+    }
+}
+
+/// Writes a random EAGLE-3 head fitting the target in `target_dir` to `out_dir` (`config.json`,
+/// `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, and `d2t`/`t2d` for a reduced
+/// draft vocabulary) and returns the config as the loader reads it back.
+pub fn write_random_eagle3_head(
+    target_dir: &Path,
+    out_dir: &Path,
+    spec: &Eagle3Spec,
+) -> Result<Eagle3Config, InitError> {
+    let target = target_text_config(target_dir)?;
+    let taps = match &spec.tap_layers {
+        Some(taps) => taps.clone(),
+        None => default_tap_layers(target.num_layers).ok_or_else(|| {
+            InitError::Spec(format!("the target has {} layers; name the three tap layers", target.num_layers))
+        })?,
+    };
+    if taps.len() != 3 || taps.iter().any(|&t| t >= target.num_layers) {
+        return Err(InitError::Spec(format!(
+            "tap layers {taps:?}: three layers of the target's {}",
+            target.num_layers
+        )));
+    }
+    let vocab = target.vocab_size;
+    let draft_vocab = spec.draft_vocab.clone().unwrap_or_else(|| (0..vocab).collect());
+    if draft_vocab.is_empty()
+        || draft_vocab.windows(2).any(|w| w[0] >= w[1])
+        || draft_vocab.iter().any(|&t| !(0..vocab).contains(&t))
+    {
+        return Err(InitError::Spec("the draft vocabulary must be increasing target ids".into()));
+    }
+    let (d, inter, heads, kv_heads, head_dim) = (
+        target.hidden_size,
+        target.intermediate_size,
+        target.num_heads,
+        target.num_kv_heads,
+        target.head_dim,
+    );
+    let config = json!({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": d,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.rms_norm_eps,
+        "max_position_embeddings": 40960,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": false,
+        "torch_dtype": "float32",
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab.len(),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": taps},
+    });
+    let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+    let shapes: Vec<(&str, Vec<i64>)> = vec![
+        ("fc.weight", vec![d, 3 * d]),
+        ("midlayer.hidden_norm.weight", vec![d]),
+        ("midlayer.input_layernorm.weight", vec![d]),
+        ("midlayer.self_attn.q_proj.weight", vec![q_dim, 2 * d]),
+        ("midlayer.self_attn.k_proj.weight", vec![kv_dim, 2 * d]),
+        ("midlayer.self_attn.v_proj.weight", vec![kv_dim, 2 * d]),
+        ("midlayer.self_attn.o_proj.weight", vec![d, q_dim]),
+        ("midlayer.post_attention_layernorm.weight", vec![d]),
+        ("midlayer.mlp.gate_proj.weight", vec![inter, d]),
+        ("midlayer.mlp.up_proj.weight", vec![inter, d]),
+        ("midlayer.mlp.down_proj.weight", vec![d, inter]),
+        ("norm.weight", vec![d]),
+        ("lm_head.weight", vec![draft_vocab.len() as i64, d]),
+    ];
+    let matrix_spec = HeadSpec { seed: spec.seed, init_std: spec.init_std, ..HeadSpec::new(1, 2, spec.seed) };
+    let mut tensors: Vec<(String, Tensor)> = shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let tensor = match shape.len() {
+                1 => Tensor::ones(shape.as_slice(), (Kind::Float, tch::Device::Cpu)),
+                _ => normal_matrix(name, &shape, &matrix_spec),
+            };
+            (name.to_string(), tensor)
+        })
+        .collect();
+    if draft_vocab.len() as i64 != vocab {
+        let offsets: Vec<i64> = draft_vocab.iter().enumerate().map(|(i, &t)| t - i as i64).collect();
+        let mut mask = vec![false; vocab as usize];
+        draft_vocab.iter().for_each(|&t| mask[t as usize] = true);
+        tensors.push(("d2t".into(), Tensor::from_slice(&offsets)));
+        tensors.push(("t2d".into(), Tensor::from_slice(&mask)));
+    }
+    save::create_dir(out_dir)?;
+    save::write_json(&out_dir.join("config.json"), &config)?;
+    save::write_safetensors(&out_dir.join("model.safetensors"), &tensors)?;
+    Ok(Eagle3Config::load(out_dir, &target)?)
 }

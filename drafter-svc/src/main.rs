@@ -39,6 +39,8 @@ enum Command {
 enum Kind_ {
     /// The GLANCE block head (needs --head and --target).
     BlockHead,
+    /// An EAGLE-3 head in the public layout (needs --head and --target; --eagle-depth).
+    Eagle3,
     /// Prompt-lookup n-gram drafting (no weights).
     PromptLookup,
     /// Test drafter: the known greedy continuation (needs --oracle-file).
@@ -99,6 +101,10 @@ struct ServeArgs {
     /// terminationGracePeriodSeconds above the preStop delay plus this.
     #[arg(long, env = "GLANCE_DRAFTER_DRAIN_TIMEOUT_S", default_value_t = 120.0)]
     drain_timeout_s: f64,
+    /// EAGLE-3: passes per tree after the first, so trees reach `depth + 1` tokens (EAGLE's
+    /// own settings: 5 to 7).
+    #[arg(long, env = "GLANCE_DRAFTER_EAGLE_DEPTH", default_value_t = 6)]
+    eagle_depth: usize,
     /// Test drafters: block size and vocabulary.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -154,6 +160,10 @@ impl HeadShapeArgs {
 
 #[derive(clap::Args)]
 struct InitArgs {
+    /// Which head: the GLANCE block head (DFlash layout) or an EAGLE-3 head (its public layout;
+    /// the target's width, --taps three layers or EAGLE's default).
+    #[arg(long, value_enum, default_value = "block-head")]
+    kind: HeadKind,
     /// Target model directory the head is for.
     #[arg(long)]
     target: PathBuf,
@@ -280,6 +290,14 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
                     .map_err(|e| e.to_string())?,
             )
         }
+        Kind_::Eagle3 => {
+            let head = need(&args.head, "--head")?;
+            let target = need(&args.target, "--target")?;
+            Box::new(
+                engines::Eagle3Engine::load(&head, &target, kind, device, args.max_context, args.eagle_depth)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
         Kind_::PromptLookup => {
             let target = need(&args.target, "--target")?;
             let config = TargetConfig::read(&target).map_err(|e| e.to_string())?;
@@ -369,10 +387,29 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum HeadKind {
+    BlockHead,
+    Eagle3,
+}
+
 fn init(args: InitArgs) -> Result<(), String> {
-    let spec = args.shape.spec(args.seed);
-    drafter_svc::init::write_random_head(&args.target, &args.out, &spec).map_err(|e| e.to_string())?;
-    println!("wrote a random draft head to {}", args.out.display());
+    match args.kind {
+        HeadKind::BlockHead => {
+            let spec = args.shape.spec(args.seed);
+            drafter_svc::init::write_random_head(&args.target, &args.out, &spec)
+                .map_err(|e| e.to_string())?;
+        }
+        HeadKind::Eagle3 => {
+            let spec = drafter_svc::init::Eagle3Spec {
+                tap_layers: args.shape.taps,
+                ..drafter_svc::init::Eagle3Spec::new(args.seed)
+            };
+            drafter_svc::init::write_random_eagle3_head(&args.target, &args.out, &spec)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    println!("wrote a random {:?} head to {}", args.kind, args.out.display());
     Ok(())
 }
 

@@ -54,6 +54,23 @@ pub const CASES: [&str; 9] = [
     "tv_resized",
     "tv_alpha",
 ];
+/// The VLM cases a parity run checks: all of [`CASES`], or the subset `GLANCE_PARITY_CASES`
+/// names (comma-separated; the device check leaves out the torchvision ones, whose inputs differ
+/// only in their host-side preprocessing, to fit what travels to the GPU machine).
+pub fn vlm_cases() -> Vec<&'static str> {
+    let Ok(names) = std::env::var("GLANCE_PARITY_CASES") else { return CASES.to_vec() };
+    names
+        .split(',')
+        .map(str::trim)
+        .map(|name| {
+            *CASES
+                .iter()
+                .find(|c| **c == name)
+                .unwrap_or_else(|| panic!("GLANCE_PARITY_CASES: no case {name:?}"))
+        })
+        .collect()
+}
+
 /// The text-only reference families (`tests/reference/make_text_reference.py`) and their cases.
 pub const TEXT_FAMILIES: [&str; 2] = ["tiny-llama", "tiny-qwen3"];
 pub const TEXT_CASES: [&str; 4] = ["single_turn", "with_system", "multi_turn", "long"];
@@ -219,6 +236,20 @@ pub fn random_head(target: &Path, name: &str, layers: usize, seed: u64) -> PathB
         ..drafter_svc::init::HeadSpec::new(layers, 16, seed)
     };
     drafter_svc::init::write_random_head(target, &out, &spec).expect("random head");
+    out
+}
+
+/// A random EAGLE-3 head (taps 0, 1, 2: the tiny targets are too shallow for EAGLE's default)
+/// for `target`, in the system's temporary directory; `draft_vocab` target ids, or the whole
+/// vocabulary.
+pub fn random_eagle3_head(target: &Path, name: &str, draft_vocab: Option<Vec<i64>>, seed: u64) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("glance-eagle3-{name}-{}", std::process::id()));
+    let spec = drafter_svc::init::Eagle3Spec {
+        tap_layers: Some(vec![0, 1, 2]),
+        draft_vocab,
+        ..drafter_svc::init::Eagle3Spec::new(seed)
+    };
+    drafter_svc::init::write_random_eagle3_head(target, &out, &spec).expect("random EAGLE-3 head");
     out
 }
 

@@ -19,6 +19,16 @@ pub struct Issued {
     pub key: PathBuf,
 }
 
+impl Issued {
+    /// The flags that make a service serve TLS with it (the same on both services).
+    pub fn serving_args(&self) -> Vec<&str> {
+        fn path(p: &Path) -> &str {
+            p.to_str().expect("utf-8 path")
+        }
+        vec!["--tls-cert", path(&self.cert), "--tls-key", path(&self.key)]
+    }
+}
+
 impl TestPki {
     /// A fresh CA named `name`, its files under the system's temporary directory.
     pub fn new(name: &str) -> Self {

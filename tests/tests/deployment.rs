@@ -75,19 +75,9 @@ async fn tls_and_the_api_key_guard_the_public_api_and_health_stays_open() {
     let keys = key_file(&pki);
     let metrics_port = free_port();
     let listen = format!("127.0.0.1:{metrics_port}");
-    let verifier = ServiceProcess::verifier(
-        &dir,
-        &[
-            "--tls-cert",
-            server.cert.to_str().unwrap(),
-            "--tls-key",
-            server.key.to_str().unwrap(),
-            "--api-key-file",
-            keys.to_str().unwrap(),
-            "--metrics-listen",
-            &listen,
-        ],
-    );
+    let mut args = server.serving_args();
+    args.extend(["--api-key-file", keys.to_str().unwrap(), "--metrics-listen", &listen]);
+    let verifier = ServiceProcess::verifier(&dir, &args);
     let good = request(&prompts[0], pb::DecodingMode::Autoregressive, 8);
     let mut client = https(&verifier, &pki.ca(), Some(KEY), None).connect().await.unwrap();
     let response = client.generate(good.clone()).await.expect("TLS with the key").into_inner();
@@ -135,17 +125,10 @@ async fn the_public_api_with_a_client_ca_admits_only_certified_clients() {
     let pki = TestPki::new("mtls");
     let server = pki.issue("verifier", &["localhost"]);
     let client_cert = pki.issue("client", &["glance-client"]);
-    let verifier = ServiceProcess::verifier(
-        &dir,
-        &[
-            "--tls-cert",
-            server.cert.to_str().unwrap(),
-            "--tls-key",
-            server.key.to_str().unwrap(),
-            "--tls-client-ca",
-            pki.ca().to_str().unwrap(),
-        ],
-    );
+    let ca = pki.ca();
+    let mut args = server.serving_args();
+    args.extend(["--tls-client-ca", ca.to_str().unwrap()]);
+    let verifier = ServiceProcess::verifier(&dir, &args);
     let good = request(&prompts[0], pb::DecodingMode::Autoregressive, 4);
     let certified = https(&verifier, &pki.ca(), None, Some((&client_cert.cert, &client_cert.key)));
     let mut client = certified.connect().await.unwrap();
@@ -167,22 +150,12 @@ async fn the_drafter_hop_runs_over_mtls_and_the_drafter_refuses_clients_without_
     let verifier_cert = pki.issue("verifier-client", &["glance-verifier"]);
     let head = glance_tests::random_head(&dir, "mtls", 1, 5);
     let (head, target) = (head.to_str().unwrap(), dir.to_str().unwrap());
-    let drafter = ServiceProcess::drafter(&[
-        "--kind",
-        "block-head",
-        "--head",
-        head,
-        "--target",
-        target,
-        "--tls-cert",
-        drafter_cert.cert.to_str().unwrap(),
-        "--tls-key",
-        drafter_cert.key.to_str().unwrap(),
-        "--tls-client-ca",
-        pki.ca().to_str().unwrap(),
-    ]);
-    let drafter_url = format!("https://localhost:{}", port_of(&drafter));
     let ca = pki.ca();
+    let mut args = vec!["--kind", "block-head", "--head", head, "--target", target];
+    args.extend(drafter_cert.serving_args());
+    args.extend(["--tls-client-ca", ca.to_str().unwrap()]);
+    let drafter = ServiceProcess::drafter(&args);
+    let drafter_url = format!("https://localhost:{}", port_of(&drafter));
     let verifier = ServiceProcess::verifier(
         &dir,
         &[

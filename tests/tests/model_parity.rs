@@ -7,7 +7,7 @@
 use glance_models::decode::{greedy_generate_batch, GreedyParams, ModelInputs};
 use glance_models::TargetModel;
 use glance_tests::{
-    fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, test_device, Case, CASES, FAMILIES,
+    fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, test_device, Case, FAMILIES,
 };
 use tch::Kind;
 
@@ -26,7 +26,7 @@ fn logits_and_taps_match_transformers() {
     for (family, legacy) in FAMILIES {
         for dir in [family, legacy] {
             let model = load(&root.join(dir));
-            for name in CASES {
+            for name in glance_tests::vlm_cases() {
                 let case = Case::load(&root.join(family), name);
                 let (logits, taps) = prompt_forward(&model, &reference_inputs(&case), &case.tap_layers);
                 let reference = case.tensor("logits");
@@ -52,7 +52,7 @@ fn greedy_tokens_match_transformers_through_our_pipeline() {
     for (family, _) in FAMILIES {
         let dir = root.join(family);
         let model = load(&dir);
-        for name in CASES {
+        for name in glance_tests::vlm_cases() {
             let case = Case::load(&dir, name);
             let prompt = case.prompt_builder(&dir).build(&case.chat_messages()).expect("prompt");
             let inputs = prompt.model_inputs();
@@ -72,7 +72,7 @@ fn batched_greedy_with_images_equals_the_reference_per_case() {
     for (family, _) in FAMILIES {
         let dir = root.join(family);
         let model = load(&dir);
-        let cases: Vec<Case> = CASES.iter().map(|name| Case::load(&dir, name)).collect();
+        let cases: Vec<Case> = glance_tests::vlm_cases().iter().map(|name| Case::load(&dir, name)).collect();
         let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
         assert!(inputs.iter().any(|i| i.pixel_values.is_some()) && inputs.iter().any(|i| i.rope_delta != 0));
         let n = cases.iter().map(|c| c.greedy_tokens.len()).min().expect("cases");

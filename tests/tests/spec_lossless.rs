@@ -3,8 +3,9 @@
 //! stopping at EOS), every speculative mode returns
 //! exactly the greedy tokens — with a randomly initialized block head (misses), with an oracle
 //! drafter whose top branch is the true continuation (deep commits, compaction, EOS inside
-//! accepted runs), with a garbage drafter that also sends malformed trees, and with prompt lookup;
-//! the auto round policy runs over each block-head, oracle and garbage drafter too.
+//! accepted runs), with a garbage drafter that also sends malformed trees, with a random EAGLE-3
+//! head (a reduced draft vocabulary), and with prompt lookup; the auto round policy runs over each
+//! block-head, EAGLE-3, oracle and garbage drafter too.
 
 use std::path::PathBuf;
 
@@ -111,6 +112,37 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         .await;
         run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} random head, auto"))
             .await;
+        drop((verifier, drafter));
+
+        // The EAGLE-3 peer: a random head over every third token of the vocabulary (a reduced
+        // draft vocabulary, mapped back by d2t), drafting 4 deep.
+        let draft_vocab = (0..1024).step_by(3).collect();
+        let eagle =
+            glance_tests::random_eagle3_head(&dir, &format!("lossless-{family}"), Some(draft_vocab), 9);
+        let (eagle, target) = (eagle.to_str().unwrap(), dir.to_str().unwrap());
+        let drafter = ServiceProcess::drafter(&[
+            "--kind",
+            "eagle3",
+            "--head",
+            eagle,
+            "--target",
+            target,
+            "--eagle-depth",
+            "3",
+        ]);
+        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+        for mode in
+            [pb::DecodingMode::SpeculativeTree, pb::DecodingMode::SpeculativeChain, pb::DecodingMode::Auto]
+        {
+            let what = format!("{family} random EAGLE-3 head, {mode:?}");
+            let stats = run_suite(&verifier.url, &prompts, mode, &what).await;
+            if mode != pb::DecodingMode::Auto {
+                assert!(
+                    stats.rounds > 0 && stats.fallback_rounds == 0,
+                    "{what}: drafted no rounds: {stats:?}"
+                );
+            }
+        }
         drop((verifier, drafter));
 
         let oracle_file = scratch.join(format!("{family}-oracle.json"));

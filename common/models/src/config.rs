@@ -269,6 +269,16 @@ impl TargetConfig {
     }
 }
 
+/// The frequency scaling of a Llama-style `rope_scaling` (or `rope_parameters`) object, as the
+/// target models read theirs: for config files of other kinds (a draft head's).
+pub fn parse_rope_scaling(value: &Value, max_position_embeddings: usize) -> Result<RopeScaling, ModelError> {
+    if value.is_null() {
+        return Ok(RopeScaling::None);
+    }
+    let rope: RopeSection = section(value, "rope_scaling")?;
+    rope_scaling(&rope, max_position_embeddings)
+}
+
 /// The frequency scaling `rope_type` names. `mrope` and `default` scale nothing; the long-context
 /// types this engine does not implement (yarn, dynamic, longrope) are refused rather than run
 /// with the wrong frequencies.

@@ -70,7 +70,7 @@ pub enum RopeScaling {
 
 impl RopeScaling {
     /// `inv_freq` (head_dim/2,) f32 rescaled, in the order transformers computes it.
-    fn apply(&self, inv_freq: Tensor) -> Tensor {
+    pub fn apply(&self, inv_freq: Tensor) -> Tensor {
         match *self {
             Self::None => inv_freq,
             Self::Linear { factor } => inv_freq / factor,

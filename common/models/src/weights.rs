@@ -114,6 +114,15 @@ impl Checkpoint {
         Ok(tensor)
     }
 
+    /// A stored tensor as it is, on the checkpoint's device but in its own dtype (integer tables
+    /// such as a draft vocabulary's index map), under exactly `name`.
+    pub fn take_raw(&mut self, name: &str) -> Result<Tensor, WeightsError> {
+        match self.tensors.remove(name) {
+            Some(t) => Ok(t.to_device(self.device)),
+            None => Err(WeightsError::Missing { name: name.to_string(), alternatives: Vec::new() }),
+        }
+    }
+
     /// Like [`Checkpoint::take`] for tensors whose shape the caller checks itself.
     pub fn take_any_shape(&mut self, name: &str) -> Result<Tensor, WeightsError> {
         let alternatives = legacy_names(name);

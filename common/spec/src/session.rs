@@ -26,6 +26,8 @@ pub enum DraftError {
 pub enum DrafterKind {
     /// The GLANCE block head reading the target's tap states.
     BlockHead,
+    /// The EAGLE-3 head: autoregressive drafting over three target layers' states.
+    Eagle3,
     /// Prompt-lookup n-gram drafting: no weights, no tap states.
     PromptLookup,
     /// Test drafters: the known greedy continuation, or random trees.

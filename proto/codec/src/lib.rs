@@ -121,6 +121,7 @@ pub fn handshake_response(h: Handshake) -> pb::HandshakeResponse {
         DrafterKind::PromptLookup => pb::DrafterKind::PromptLookup,
         DrafterKind::TestOracle => pb::DrafterKind::TestOracle,
         DrafterKind::TestGarbage => pb::DrafterKind::TestGarbage,
+        DrafterKind::Eagle3 => pb::DrafterKind::Eagle3,
     };
     pb::HandshakeResponse {
         kind: kind as i32,
