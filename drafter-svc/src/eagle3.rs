@@ -342,26 +342,7 @@ impl Eagle3Head {
     ) -> Tensor {
         let c = &self.config;
         let n = hidden.size()[0];
-        let hidden = hidden.to_kind(self.kind);
-        let x = if hidden.size()[1] == c.hidden_size { hidden } else { self.fc.forward(&hidden) };
-        let embedded = self.embed.index_select(0, tokens);
-        let (residual, normed) = match c.norm_before_residual {
-            true => {
-                let normed = self.hidden_norm.forward(&x);
-                (normed.shallow_clone(), normed)
-            }
-            false => {
-                let normed = self.hidden_norm.forward(&x);
-                (x, normed)
-            }
-        };
-        let input = Tensor::cat(&[self.input_layernorm.forward(&embedded), normed], -1);
-        let rotary = self.rotary_at(positions);
-        let q = self.q_proj.forward(&input).view([n, c.num_heads, c.head_dim]).transpose(0, 1);
-        let kv = self.kv_proj.forward(&input).view([n, 2 * c.num_kv_heads, c.head_dim]);
-        let k = kv.narrow(1, 0, c.num_kv_heads).transpose(0, 1);
-        let v = kv.narrow(1, c.num_kv_heads, c.num_kv_heads).transpose(0, 1);
-        let (q, k) = (rotary.apply(&q), rotary.apply(&k));
+        let (residual, q, k, v) = self.project(hidden, tokens, positions);
         let (keys, values) = cache.write(0, &k, &v);
         let out = Tensor::scaled_dot_product_attention(
             &q.unsqueeze(0),
@@ -373,15 +354,97 @@ impl Eagle3Head {
             None,
             c.num_heads != c.num_kv_heads,
         ); // (1, heads, n, head_dim)
-        let out = out.squeeze_dim(0).transpose(0, 1).contiguous().view([n, c.num_heads * c.head_dim]);
+        self.finish(&residual, &out.squeeze_dim(0))
+    }
+
+    /// The layer up to attention: the residual (n, hidden) and the rotated q (heads, n, hd), k and
+    /// v (kv_heads, n, hd) of n rows.
+    fn project(
+        &self,
+        hidden: &Tensor,
+        tokens: &Tensor,
+        positions: &Tensor,
+    ) -> (Tensor, Tensor, Tensor, Tensor) {
+        let c = &self.config;
+        let n = hidden.size()[0];
+        let hidden = hidden.to_kind(self.kind);
+        let x = if hidden.size()[1] == c.hidden_size { hidden } else { self.fc.forward(&hidden) };
+        let embedded = self.embed.index_select(0, tokens);
+        let normed = self.hidden_norm.forward(&x);
+        let residual = if c.norm_before_residual { normed.shallow_clone() } else { x };
+        let input = Tensor::cat(&[self.input_layernorm.forward(&embedded), normed], -1);
+        let rotary = self.rotary_at(positions);
+        let q = self.q_proj.forward(&input).view([n, c.num_heads, c.head_dim]).transpose(0, 1);
+        let kv = self.kv_proj.forward(&input).view([n, 2 * c.num_kv_heads, c.head_dim]);
+        let k = kv.narrow(1, 0, c.num_kv_heads).transpose(0, 1);
+        let v = kv.narrow(1, c.num_kv_heads, c.num_kv_heads).transpose(0, 1);
+        (residual, rotary.apply(&q), rotary.apply(&k), v)
+    }
+
+    /// The layer after attention: `attended` (heads, n, hd) projected onto the residual, then
+    /// the MLP; the pre-norm output (n, hidden).
+    fn finish(&self, residual: &Tensor, attended: &Tensor) -> Tensor {
+        let c = &self.config;
+        let n = attended.size()[1];
+        let out = attended.transpose(0, 1).contiguous().view([n, c.num_heads * c.head_dim]);
         let x = residual + self.o_proj.forward(&out);
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 
+    /// One step of the training-time test (EAGLE-3's training unroll) over the L rows of a
+    /// sequence: step 0 reads the target states (L, 3·target hidden) with the tokens after them,
+    /// step k the head's own step-(k−1) outputs with the tokens k further on, rotated k positions
+    /// further. A row of step k attends causally to the step-0 rows and to its own rows of steps
+    /// 1..k (the chain of its own predictions, as a depth-k tree node sees its ancestors); `steps`
+    /// holds the earlier steps' keys and values and receives this one's. Returns the pre-norm
+    /// outputs (L, hidden).
+    pub fn forward_ttt(
+        &self,
+        hidden: &Tensor,
+        tokens: &Tensor,
+        positions: &Tensor,
+        steps: &mut Vec<(Tensor, Tensor)>,
+    ) -> Tensor {
+        let c = &self.config;
+        let groups = c.num_heads / c.num_kv_heads;
+        let (residual, q, k, v) = self.project(hidden, tokens, positions);
+        let widen = |t: &Tensor| {
+            if groups > 1 {
+                t.repeat_interleave_self_int(groups, 0, None)
+            } else {
+                t.shallow_clone()
+            }
+        };
+        steps.push((widen(&k), widen(&v)));
+        let n = q.size()[1];
+        let scale = (c.head_dim as f64).powf(-0.5);
+        let (k0, v0) = &steps[0];
+        let causal = Tensor::ones([n, n], (Kind::Bool, self.device)).tril(0);
+        let context = q
+            .matmul(&k0.transpose(1, 2))
+            .multiply_scalar(scale)
+            .masked_fill(&causal.logical_not(), f64::NEG_INFINITY);
+        // Each later step's key at the row's own index: one score per row.
+        let mut scores = vec![context];
+        scores.extend(steps[1..].iter().map(|(kj, _)| (&q * kj).sum_dim_intlist(-1, true, q.kind()) * scale));
+        let scores = Tensor::cat(&scores, -1);
+        let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
+        let mut attended = weights.narrow(-1, 0, n).matmul(v0);
+        for (j, (_, vj)) in steps[1..].iter().enumerate() {
+            attended += weights.narrow(-1, n + j as i64, 1) * vj;
+        }
+        self.finish(&residual, &attended)
+    }
+
+    /// The draft logits of pre-norm outputs over the draft vocabulary, (…, draft vocab).
+    pub fn logits(&self, out: &Tensor) -> Tensor {
+        let normed = if self.config.norm_output { self.norm.forward(out) } else { out.shallow_clone() };
+        normed.linear(&self.lm_head, None::<Tensor>)
+    }
+
     /// Log-probabilities over the draft vocabulary of pre-norm outputs (…, hidden).
     pub fn log_probs(&self, out: &Tensor) -> Tensor {
-        let normed = if self.config.norm_output { self.norm.forward(out) } else { out.shallow_clone() };
-        normed.linear(&self.lm_head, None::<Tensor>).log_softmax(-1, self.kind)
+        self.logits(out).log_softmax(-1, self.kind)
     }
 
     /// Target ids of draft ids (a device tensor of any shape).

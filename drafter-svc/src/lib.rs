@@ -13,3 +13,4 @@ pub mod service;
 pub mod sharegpt;
 pub mod testing;
 pub mod train;
+pub mod train_eagle3;

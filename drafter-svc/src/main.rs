@@ -178,6 +178,19 @@ struct InitArgs {
 
 #[derive(clap::Args)]
 struct TrainArgs {
+    /// Which head: the GLANCE block head or an EAGLE-3 head (trained with EAGLE-3's
+    /// training-time test on the same rows).
+    #[arg(long, value_enum, default_value = "block-head")]
+    kind: HeadKind,
+    /// EAGLE-3: unroll steps of the training-time test.
+    #[arg(long, default_value_t = 7)]
+    ttt_length: usize,
+    /// EAGLE-3: tokens of a fresh head's draft vocabulary (the most frequent response tokens).
+    #[arg(long, default_value_t = 32000)]
+    draft_vocab: usize,
+    /// EAGLE-3: expansion passes of the trees the held-out evaluation grows.
+    #[arg(long, default_value_t = 6)]
+    eval_depth: usize,
     /// Target model directory.
     #[arg(long)]
     target: PathBuf,
@@ -446,9 +459,24 @@ fn train(args: TrainArgs) -> Result<(), String> {
             frequent => drafter_svc::train::LossVocab::Sampled { frequent, negatives: args.loss_negatives },
         },
     };
-    tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    let trained = match args.kind {
+        HeadKind::BlockHead => {
+            tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
+        }
+        HeadKind::Eagle3 => {
+            let eagle = drafter_svc::train_eagle3::Eagle3TrainConfig {
+                taps: config.fresh.tap_layers.clone(),
+                base: config,
+                ttt_length: args.ttt_length,
+                draft_vocab: args.draft_vocab,
+                eval_depth: args.eval_depth,
+            };
+            tokio::task::block_in_place(|| {
+                drafter_svc::train_eagle3::train_eagle3(&eagle, |line| println!("{line}"))
+            })
+        }
+    };
+    trained.map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// Resolves on SIGTERM (or Ctrl-C) once the drain has begun: readiness NOT_SERVING, new sessions

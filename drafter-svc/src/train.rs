@@ -232,7 +232,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
             });
         }
         if config.checkpoint_every > 0 && ((step + 1) % config.checkpoint_every == 0 || done) {
-            save(&config.out, &head_dir, &named, &optimizer, step + 1)?;
+            save(&config.out, &head_dir, &named, &[], &optimizer, step + 1)?;
         }
     }
     bar.finish();
@@ -243,7 +243,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
     Ok(last)
 }
 
-fn progress_bar(total: usize, position: usize) -> indicatif::ProgressBar {
+pub(crate) fn progress_bar(total: usize, position: usize) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total as u64);
     bar.set_position(position as u64);
     if let Ok(style) = indicatif::ProgressStyle::with_template(
@@ -329,18 +329,23 @@ fn json_lines(path: &Path, held_out: bool, count: usize) -> Result<Vec<Vec<ChatM
 /// Regenerates each prompt's response with greedy decoding, then runs one teacher-forced pass over
 /// prompt + response for the tap states. The regenerated token rows (the expensive part) are kept
 /// in `cache` as JSON lines, so a resumed or repeated run only recomputes the states.
-struct RowBuilder<'a> {
-    target: &'a TargetModel,
-    prompts: &'a PromptBuilder,
-    max_new_tokens: usize,
-    taps: &'a [usize],
-    cache: PathBuf,
+pub(crate) struct RowBuilder<'a> {
+    pub(crate) target: &'a TargetModel,
+    pub(crate) prompts: &'a PromptBuilder,
+    pub(crate) max_new_tokens: usize,
+    pub(crate) taps: &'a [usize],
+    pub(crate) cache: PathBuf,
     /// Prompts regenerated together (one target pass per step for all).
-    batch: usize,
+    pub(crate) batch: usize,
 }
 
 impl RowBuilder<'_> {
-    fn build(&self, source: &DataSource, held_out: bool, count: usize) -> Result<Vec<Row>, TrainError> {
+    pub(crate) fn build(
+        &self,
+        source: &DataSource,
+        held_out: bool,
+        count: usize,
+    ) -> Result<Vec<Row>, TrainError> {
         let mut inputs = Vec::with_capacity(count);
         for messages in prompts_of(source, held_out, count)? {
             let prompt = self.prompts.build(&messages).map_err(|e| TrainError::Data(e.to_string()))?;
@@ -520,7 +525,7 @@ fn teacher_forced_states(
 
 /// The `count` most frequent tokens of the rows' responses (sorted by id) and the share of response
 /// tokens they cover.
-fn most_frequent_response_tokens(rows: &[Row], count: usize) -> (Vec<i64>, f64) {
+pub(crate) fn most_frequent_response_tokens(rows: &[Row], count: usize) -> (Vec<i64>, f64) {
     let mut counts: std::collections::HashMap<i64, usize> = Default::default();
     for row in rows {
         for &t in &row.tokens[row.response_start..] {
@@ -686,18 +691,20 @@ pub fn acceptance(head: &DraftHead, rows: &[Row]) -> Acceptance {
 
 /// How deep the true continuation goes into the tree: the acceptance walk with a target that
 /// always chooses the truth (past its end, nothing matches).
-fn accepted_in_tree(tree: &Tree, truth: &[TokenId]) -> usize {
+pub(crate) fn accepted_in_tree(tree: &Tree, truth: &[TokenId]) -> usize {
     let choice = |depth: usize| truth.get(depth).copied().unwrap_or(TokenId::MAX);
     let choices: Vec<TokenId> =
         std::iter::once(choice(0)).chain(tree.depths.iter().map(|&d| choice(d as usize))).collect();
     tree.accepted_path(&choices).0.len()
 }
 
-/// Writes the head (DFlash layout: config.json + model.safetensors) and the optimizer state.
-fn save(
+/// Writes the head (config.json + model.safetensors: the trained `named` weights and the fixed
+/// `buffers`, such as an EAGLE-3 head's vocabulary maps) and the optimizer state.
+pub(crate) fn save(
     out: &Path,
     head_dir: &Path,
     named: &[(String, Tensor)],
+    buffers: &[(String, Tensor)],
     optimizer: &AdamW,
     step: usize,
 ) -> Result<(), TrainError> {
@@ -707,7 +714,7 @@ fn save(
         save::copy_file(&head_dir.join("config.json"), &out.join("config.json"))?;
     }
     let weights: Vec<(String, Tensor)> =
-        named.iter().map(|(n, t)| (n.clone(), t.detach().contiguous())).collect();
+        named.iter().chain(buffers).map(|(n, t)| (n.clone(), t.detach().contiguous())).collect();
     save::write_safetensors(&out.join("model.safetensors"), &weights)?;
     let (first, second) = optimizer.moments();
     let mut state: Vec<(String, Tensor)> = Vec::new();
@@ -720,7 +727,11 @@ fn save(
 }
 
 /// Restores the optimizer from `out/train_state.safetensors`; returns the step to continue from.
-fn restore_state(out: &Path, named: &[(String, Tensor)], optimizer: &mut AdamW) -> Result<usize, TrainError> {
+pub(crate) fn restore_state(
+    out: &Path,
+    named: &[(String, Tensor)],
+    optimizer: &mut AdamW,
+) -> Result<usize, TrainError> {
     let path = out.join("train_state.safetensors");
     let state: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&path)
         .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?

@@ -192,3 +192,51 @@ fn d2t_maps_the_draft_vocabulary_onto_t2d() {
     let mapped = Vec::<i64>::try_from(head.to_target(&draft_ids)).unwrap();
     assert_eq!(mapped, [marked[0], marked[5], marked[255]]);
 }
+
+/// The training-time test's unroll computes, at every position, what the head computes when it
+/// drafts a chain from there at inference: step k at index s equals the depth-k node drafted after
+/// the context up to s, with the true tokens as the chain.
+#[test]
+fn the_training_unroll_sees_what_a_drafted_chain_sees() {
+    let Some(root) = fixture_root() else { return };
+    let _no_grad = tch::no_grad_guard();
+    let head = Eagle3Head::load(&root.join(HEAD), &root.join(TARGET), Kind::Float, Device::Cpu)
+        .expect("the head loads");
+    tch::manual_seed(3);
+    let (n, width) = (12i64, 3 * head.config().target_hidden_size);
+    let states = Tensor::randn([n - 1, width], (Kind::Float, Device::Cpu));
+    let tokens: Vec<i64> = (0..n).map(|i| (i * 37 + 5) % 1024).collect();
+    let steps = 3usize;
+    let mut unrolled = Vec::new();
+    let (mut hidden, mut cache) = (states.shallow_clone(), Vec::new());
+    for k in 0..steps as i64 {
+        let step_tokens: Vec<i64> =
+            (0..n - 1).map(|s| tokens.get((s + 1 + k) as usize).copied().unwrap_or(0)).collect();
+        let positions = Tensor::arange_start(k, k + n - 1, (Kind::Int64, Device::Cpu));
+        let out = head.forward_ttt(&hidden, &Tensor::from_slice(&step_tokens), &positions, &mut cache);
+        unrolled.push(out.shallow_clone());
+        hidden = out;
+    }
+    for s in [0usize, 4, 7] {
+        let mut kv = head.new_cache(32);
+        let rows = s + 1;
+        let context_tokens = Tensor::from_slice(&tokens[1..=rows]);
+        let positions = Tensor::arange(rows as i64, (Kind::Int64, Device::Cpu));
+        let visible = head.causal_visibility(0, rows);
+        let out =
+            head.forward(&mut kv, &states.narrow(0, 0, rows as i64), &context_tokens, &positions, &visible);
+        kv.advance(rows);
+        let mut node = out.narrow(0, s as i64, 1);
+        let mut largest = max_abs_diff(&node, &unrolled[0].narrow(0, s as i64, 1));
+        for (k, step) in unrolled.iter().enumerate().skip(1) {
+            let token = Tensor::from_slice(&[tokens[s + 1 + k]]);
+            let position = Tensor::from_slice(&[(s + k) as i64]);
+            let visible = Tensor::ones([1, (rows + k) as i64], (Kind::Bool, Device::Cpu));
+            node = head.forward(&mut kv, &node, &token, &position, &visible);
+            kv.advance(1);
+            largest = largest.max(max_abs_diff(&node, &step.narrow(0, s as i64, 1)));
+        }
+        println!("index {s}: the unroll against the drafted chain, max|Δ| {largest:.2e}");
+        assert!(largest <= TOLERANCE, "index {s}: {largest}");
+    }
+}
