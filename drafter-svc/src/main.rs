@@ -126,6 +126,9 @@ struct ServeArgs {
     /// Fault injection: every N-th round of a session panics inside the engine (0: never).
     #[arg(long, default_value_t = 0)]
     panic_every: usize,
+    /// Ablation: zero every tap state the head receives (it then drafts from the tokens alone).
+    #[arg(long)]
+    zero_states: bool,
 }
 
 /// The shape of a fresh draft head (`init`, and `train` without `--init`).
@@ -327,6 +330,10 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
             args.seed,
             args.malformed_rate,
         )),
+    };
+    let engine: Box<dyn DraftEngine> = match args.zero_states {
+        true => Box::new(testing::ZeroStatesEngine { inner: engine }),
+        false => engine,
     };
     if args.stall_every > 0 || args.panic_every > 0 {
         return Ok(Box::new(testing::FaultyEngine {

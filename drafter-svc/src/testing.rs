@@ -237,3 +237,103 @@ impl Session for FaultySession {
         self.inner.draft(round)
     }
 }
+
+/// Wraps an engine to blind it (the paper's ablation): every tap state it receives is zeroed, so
+/// a head that reads the target's states drafts from the tokens alone.
+pub struct ZeroStatesEngine {
+    pub inner: Box<dyn DraftEngine>,
+}
+
+impl DraftEngine for ZeroStatesEngine {
+    fn handshake(&self) -> Handshake {
+        self.inner.handshake()
+    }
+
+    fn new_session(&self) -> Box<dyn Session> {
+        Box::new(ZeroStatesSession { inner: self.inner.new_session() })
+    }
+}
+
+struct ZeroStatesSession {
+    inner: Box<dyn Session>,
+}
+
+impl Session for ZeroStatesSession {
+    fn append_context(
+        &mut self,
+        first: usize,
+        tokens: &[TokenId],
+        states: Option<Tensor>,
+    ) -> Result<(), DraftError> {
+        self.inner.append_context(first, tokens, states.map(|s| s.zeros_like()))
+    }
+
+    fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
+        self.inner.draft(round)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// One `append_context` call: first position, tokens, states.
+    type Appended = (usize, Vec<TokenId>, Option<Tensor>);
+
+    /// Records what its sessions are given.
+    #[derive(Default)]
+    struct Recorder {
+        seen: Arc<Mutex<Vec<Appended>>>,
+    }
+
+    impl DraftEngine for Recorder {
+        fn handshake(&self) -> Handshake {
+            Handshake::stateless(DrafterKind::TestOracle, 4, 16)
+        }
+
+        fn new_session(&self) -> Box<dyn Session> {
+            Box::new(Recorder { seen: Arc::clone(&self.seen) })
+        }
+    }
+
+    impl Session for Recorder {
+        fn append_context(
+            &mut self,
+            first: usize,
+            tokens: &[TokenId],
+            states: Option<Tensor>,
+        ) -> Result<(), DraftError> {
+            self.seen.lock().unwrap().push((first, tokens.to_vec(), states));
+            Ok(())
+        }
+
+        fn draft(&mut self, _round: &RoundInput) -> Result<Tree, DraftError> {
+            Ok(Tree::default())
+        }
+    }
+
+    #[test]
+    fn the_blinded_head_gets_the_tokens_and_zero_states() {
+        let recorder = Recorder::default();
+        let seen = Arc::clone(&recorder.seen);
+        let blind = ZeroStatesEngine { inner: Box::new(recorder) };
+        let mut session = blind.new_session();
+        let states = Tensor::from_slice(&[1.5f32, -2.0, 3.0, 0.25]).view([2, 2]);
+        session.append_context(7, &[3, 4], Some(states.shallow_clone())).unwrap();
+        session.append_context(9, &[5], None).unwrap();
+        let seen = seen.lock().unwrap();
+        let (first, tokens, zeroed) = &seen[0];
+        assert_eq!((*first, tokens.as_slice()), (7, [3, 4].as_slice()));
+        let zeroed = zeroed.as_ref().expect("states passed on");
+        assert_eq!(zeroed.size(), states.size());
+        assert_eq!(zeroed.abs().sum(tch::Kind::Float).double_value(&[]), 0.0);
+        assert!(seen[1].2.is_none(), "no states stay no states");
+        assert_eq!(
+            states.abs().sum(tch::Kind::Float).double_value(&[]),
+            6.75,
+            "the caller's tensor is untouched"
+        );
+    }
+}

@@ -8,18 +8,28 @@ use glance_proto::v1 as pb;
 use glance_spec::law::{self, Form, Round};
 use serde_json::json;
 
-/// One compared decoding mode: its report name, the wire mode and the tree budget (0: default).
+/// One compared decoding mode: its report name, the wire mode, the tree budget (0: default), the
+/// service pair that serves it (0: the benchmark's main verifier and block-head drafter) and the
+/// drafter passes one of its rounds takes.
 #[derive(Clone, Debug)]
 pub struct Mode {
     pub name: String,
     pub mode: pb::DecodingMode,
     pub budget: u32,
+    pub pair: usize,
+    pub draft_passes: usize,
 }
 
 /// Autoregressive first (every other mode is checked against it and timed relative to it), then
-/// auto, the tree at each budget, the chain and prompt lookup.
+/// auto, the tree at each budget, the chain and prompt lookup, all on the main pair.
 pub fn modes(budgets: &[u32]) -> Vec<Mode> {
-    let mode = |name: String, mode, budget| Mode { name, mode, budget };
+    let mode = |name: String, mode, budget| {
+        let draft_passes = match mode {
+            pb::DecodingMode::Autoregressive | pb::DecodingMode::PromptLookup => 0,
+            _ => 1,
+        };
+        Mode { name, mode, budget, pair: 0, draft_passes }
+    };
     let mut modes = vec![
         mode("autoregressive".into(), pb::DecodingMode::Autoregressive, 0),
         mode("auto".into(), pb::DecodingMode::Auto, 0),

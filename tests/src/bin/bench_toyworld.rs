@@ -66,6 +66,83 @@ struct Args {
     /// for this many tokens with `ignore_eos` (0 skips them).
     #[arg(long, default_value_t = 200)]
     text_tokens: u32,
+    /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
+    /// depth 3 and 7 and its budget-31 tree, each through a drafter (`--eagle-depth`) and a
+    /// verifier of its own, and a section comparing them with the block head.
+    #[arg(long)]
+    eagle3_head: Option<PathBuf>,
+    /// The paper's ablation: adds the block head with its conditioning states zeroed (a tree at
+    /// the law budget), through its own drafter and verifier.
+    #[arg(long)]
+    ablate_states: bool,
+}
+
+/// A verifier and the drafter behind it; the main pair serves the block head.
+struct Pair {
+    _drafter: ServiceProcess,
+    _verifier: ServiceProcess,
+    client: GenerationClient<tonic::transport::Channel>,
+}
+
+impl Pair {
+    async fn start(args: &Args, drafter_args: &[&str]) -> Self {
+        let threads = args.threads_per_service.to_string();
+        let env = [("OMP_NUM_THREADS", threads.as_str())];
+        let dtype = ["--dtype", args.dtype.as_str()];
+        let drafter = ServiceProcess::drafter_with_env(&[drafter_args, &dtype].concat(), &env);
+        let verifier = ServiceProcess::verifier_with_env(
+            &args.target,
+            &["--drafter", &drafter.url, "--max-tree-budget", "256", "--dtype", &args.dtype],
+            &env,
+        );
+        let client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
+        Self { _drafter: drafter, _verifier: verifier, client }
+    }
+}
+
+/// The service pairs and the modes they serve: the block head's on pair 0, then the EAGLE-3
+/// ones and the ablation when asked for.
+async fn pairs_and_modes(args: &Args) -> (Vec<Pair>, Vec<Mode>) {
+    let (head, target) = (args.head.to_str().expect("utf-8"), args.target.to_str().expect("utf-8"));
+    let mut pairs =
+        vec![Pair::start(args, &["--kind", "block-head", "--head", head, "--target", target]).await];
+    let mut modes = bench::modes(&args.budgets);
+    if let Some(eagle) = &args.eagle3_head {
+        let eagle = eagle.to_str().expect("utf-8");
+        for (depth, chain, tree) in
+            [(2usize, "eagle3-chain-3", None), (6, "eagle3-chain-7", Some("eagle3-tree-31"))]
+        {
+            let depth_arg = depth.to_string();
+            let drafter =
+                ["--kind", "eagle3", "--head", eagle, "--target", target, "--eagle-depth", &depth_arg];
+            pairs.push(Pair::start(args, &drafter).await);
+            let pair = pairs.len() - 1;
+            let passes = depth + 1;
+            let mode = |name: &str, mode, budget| Mode {
+                name: name.into(),
+                mode,
+                budget,
+                pair,
+                draft_passes: passes,
+            };
+            modes.push(mode(chain, pb::DecodingMode::SpeculativeChain, 0));
+            if let Some(tree) = tree {
+                modes.push(mode(tree, pb::DecodingMode::SpeculativeTree, 31));
+            }
+        }
+    }
+    if args.ablate_states {
+        let blind = ["--kind", "block-head", "--head", head, "--target", target, "--zero-states"];
+        pairs.push(Pair::start(args, &blind).await);
+        modes.push(Mode {
+            name: format!("tree-{}-no-states", args.law_budget),
+            mode: pb::DecodingMode::SpeculativeTree,
+            budget: args.law_budget,
+            pair: pairs.len() - 1,
+            draft_passes: 1,
+        });
+    }
+    (pairs, modes)
 }
 
 /// Text-only prompts for the off-distribution check: the toy world always shows an image, so the
@@ -109,33 +186,20 @@ struct Run {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    let threads = args.threads_per_service.to_string();
-    let env = [("OMP_NUM_THREADS", threads.as_str())];
-    let (head, target) = (args.head.to_str().expect("utf-8"), args.target.to_str().expect("utf-8"));
-    let drafter = ServiceProcess::drafter_with_env(
-        &["--kind", "block-head", "--head", head, "--target", target, "--dtype", &args.dtype],
-        &env,
-    );
-    let verifier = ServiceProcess::verifier_with_env(
-        &args.target,
-        &["--drafter", &drafter.url, "--max-tree-budget", "256", "--dtype", &args.dtype],
-        &env,
-    );
-    let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
-    let modes = bench::modes(&args.budgets);
+    let (mut pairs, modes) = pairs_and_modes(&args).await;
     let warm_up = sample(Split::HeldOut, Task::Doc, args.seed, 10_000);
     for mode in &modes {
         let warm = request(&warm_up, mode, args.max_new_tokens, Sampling::GREEDY, 0);
-        client.generate(warm).await.expect("warm-up");
+        pairs[mode.pair].client.generate(warm).await.expect("warm-up");
     }
     let total = args.temperatures.len() * Task::ALL.len() * args.prompts as usize * modes.len();
     let bar = indicatif::ProgressBar::new(total as u64);
     let mut runs = Vec::new();
     for &temperature in &args.temperatures {
-        runs.push(run(&args, &mut client, &modes, Sampling { temperature }, &bar).await);
+        runs.push(run(&args, &mut pairs, &modes, Sampling { temperature }, &bar).await);
     }
     bar.finish_and_clear();
-    let text = off_distribution(&args, &mut client, &modes).await;
+    let text = off_distribution(&args, &mut pairs, &modes).await;
     let plotted = runs.iter().position(|r| r.sampling.is_greedy()).unwrap_or(0);
     let mut json_runs = Vec::new();
     let mut md = String::new();
@@ -145,6 +209,11 @@ async fn main() {
         json["divergences"] = divergences.iter().map(Divergence::json).collect();
         md += &section;
         md += &bench::divergence_section(&divergences);
+        if args.eagle3_head.is_some() || args.ablate_states {
+            let (matched_json, matched_md) = matched_comparison(&args, &modes, &run.cells);
+            json["matched"] = matched_json;
+            md += &matched_md;
+        }
         json_runs.push(json);
     }
     let mut report = json!({
@@ -164,7 +233,7 @@ async fn main() {
 /// the autoregressive one of the same prompt (and seed).
 async fn run(
     args: &Args,
-    client: &mut GenerationClient<tonic::transport::Channel>,
+    pairs: &mut [Pair],
     modes: &[Mode],
     sampling: Sampling,
     bar: &indicatif::ProgressBar,
@@ -178,7 +247,7 @@ async fn run(
             let mut reference: Option<Vec<u32>> = None;
             for (m, mode) in modes.iter().enumerate() {
                 let asked = request(&s, mode, args.max_new_tokens, sampling, seed);
-                let r = client.generate(asked).await.expect("generate").into_inner();
+                let r = pairs[mode.pair].client.generate(asked).await.expect("generate").into_inner();
                 let cell = cells.entry((t, m)).or_default();
                 let ar = reference.get_or_insert_with(|| r.token_ids.clone());
                 if !cell.record(&r, ar) {
@@ -225,7 +294,7 @@ fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Dive
 /// identical to the autoregressive one.
 async fn off_distribution(
     args: &Args,
-    client: &mut GenerationClient<tonic::transport::Channel>,
+    pairs: &mut [Pair],
     modes: &[Mode],
 ) -> Option<(serde_json::Value, String)> {
     if args.text_tokens == 0 {
@@ -249,7 +318,7 @@ async fn off_distribution(
                     ..bench::decoding(mode, Sampling::GREEDY, 0)
                 }),
             };
-            let r = client.generate(request).await.expect("generate").into_inner();
+            let r = pairs[mode.pair].client.generate(request).await.expect("generate").into_inner();
             cells[m].record(&r, reference.get_or_insert_with(|| r.token_ids.clone()));
         }
     }
@@ -337,4 +406,112 @@ fn law_plot(path: &std::path::Path, per_task: &[(Task, Vec<Round>)], pooled: &[R
     let named: Vec<(&str, &[Round])> =
         per_task.iter().map(|(t, l)| (t.name(), l.as_slice())).chain([("pooled", pooled)]).collect();
     bench::law_plot(path, "accepted length vs target entropy (toy world, glance tree)", &named)
+}
+
+/// The paper's matched comparison on one run: per task, the block head's tree at budget 31 and
+/// chain, EAGLE-3's chains of depth 3 and 7 and its budget-31 tree (and the zeroed-states
+/// ablation): tau, drafter passes and milliseconds per round, speed-up; and the matched-training
+/// ratio (block-head tree tau over EAGLE-3 tree tau), beside the paper's.
+fn matched_comparison(
+    args: &Args,
+    modes: &[Mode],
+    cells: &BTreeMap<(usize, usize), Cell>,
+) -> (serde_json::Value, String) {
+    let wanted =
+        ["tree-31", "chain", "eagle3-chain-3", "eagle3-chain-7", "eagle3-tree-31", "prompt-lookup", "auto"];
+    let ablation = format!("tree-{}-no-states", args.law_budget);
+    let shown: Vec<usize> = modes
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| wanted.contains(&m.name.as_str()) || m.name == ablation)
+        .map(|(i, _)| i)
+        .collect();
+    let find = |name: &str| modes.iter().position(|m| m.name == name);
+    let mut md = String::from(
+        "\nMatched comparison (the block head and EAGLE-3 trained on the same rows): tau / drafter passes per round / draft ms per round / speed-up / lossless prompts\n\n| task |",
+    );
+    for &m in &shown {
+        md += &format!(" {} |", modes[m].name);
+    }
+    md += " tree tau ratio (paper: 2.7x pooled, 4.0x ChartQA) |\n|---|";
+    md += &"---|".repeat(shown.len() + 1);
+    md += "\n";
+    let (mut json_tasks, mut ratios) = (Vec::new(), Vec::new());
+    for (t, task) in Task::ALL.iter().enumerate() {
+        let ar = cells[&(t, 0)].ms_per_token();
+        md += &format!("| {} |", task.name());
+        let mut json_modes = Vec::new();
+        for &m in &shown {
+            let c = &cells[&(t, m)];
+            let draft_ms = c.round_breakdown()[0];
+            md += &format!(
+                " {:.2} / {} / {:.1} / {:.2}x / {}/{} |",
+                c.tau(),
+                modes[m].draft_passes,
+                draft_ms,
+                ar / c.ms_per_token(),
+                c.lossless,
+                c.prompts
+            );
+            json_modes.push(json!({"mode": modes[m].name, "tau": c.tau(), "draft_passes": modes[m].draft_passes, "draft_ms_per_round": draft_ms, "speedup": ar / c.ms_per_token(), "lossless": c.lossless, "prompts": c.prompts}));
+        }
+        let ratio = match (find("tree-31"), find("eagle3-tree-31")) {
+            (Some(g), Some(e)) => Some(cells[&(t, g)].tau() / cells[&(t, e)].tau()),
+            _ => None,
+        };
+        ratios.extend(ratio);
+        md += &format!(" {} |\n", ratio.map_or("-".into(), |r| format!("{r:.2}x")));
+        json_tasks.push(json!({"task": task.name(), "modes": json_modes, "tree_tau_ratio": ratio}));
+    }
+    let geo = (!ratios.is_empty())
+        .then(|| (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp());
+    if let Some(geo) = geo {
+        md += &format!("\nTree tau ratio, geometric mean over the tasks: {geo:.2}x (paper: 2.7x pooled).\n");
+    }
+    let (ablations_json, ablations_md) = ablations(args, modes, cells);
+    md += &ablations_md;
+    (json!({"tasks": json_tasks, "tree_tau_ratio_geomean": geo, "ablations": ablations_json}), md)
+}
+
+/// The paper's ablations over all tasks, each beside the paper's figure: the block head blind
+/// (states zeroed), its tree against its own chain, and the speed-up over the tree budgets.
+fn ablations(
+    args: &Args,
+    modes: &[Mode],
+    cells: &BTreeMap<(usize, usize), Cell>,
+) -> (serde_json::Value, String) {
+    let find = |name: &str| modes.iter().position(|m| m.name == name);
+    let geo_over_tasks = |value: &dyn Fn(usize) -> f64| {
+        let logs: f64 = (0..Task::ALL.len()).map(|t| value(t).ln()).sum();
+        (logs / Task::ALL.len() as f64).exp()
+    };
+    let tau = |m: usize| move |t: usize| cells[&(t, m)].tau();
+    let speedup = |m: usize| move |t: usize| cells[&(t, 0)].ms_per_token() / cells[&(t, m)].ms_per_token();
+    let mut md = String::from("\nAblations (geometric means over the tasks), beside the paper:\n\n");
+    let mut json = json!({});
+    if let Some(blind) = find(&format!("tree-{}-no-states", args.law_budget)) {
+        let blind_tau = geo_over_tasks(&tau(blind));
+        md += &format!("- block head with its states zeroed: tree tau {blind_tau:.2} (paper: 1.11)\n");
+        json["no_states_tau"] = json!(blind_tau);
+    }
+    if let (Some(tree), Some(chain)) = (find("tree-31"), find("chain")) {
+        let ratio = geo_over_tasks(&|t| tau(tree)(t) / tau(chain)(t));
+        md +=
+            &format!("- tree (budget 31) tau over the same head's chain: {ratio:.2}x (paper: 1.45-1.49x)\n");
+        json["tree_over_chain_tau"] = json!(ratio);
+    }
+    let sweep: Vec<(u32, f64)> = args
+        .budgets
+        .iter()
+        .filter_map(|b| find(&format!("tree-{b}")).map(|m| (*b, geo_over_tasks(&speedup(m)))))
+        .collect();
+    if !sweep.is_empty() {
+        let shown: Vec<String> = sweep.iter().map(|(b, s)| format!("{b}: {s:.2}x")).collect();
+        md += &format!(
+            "- tree speed-up by budget: {} (paper: rises from 15 to 31, then flattens)\n",
+            shown.join(", ")
+        );
+        json["speedup_by_budget"] = sweep.iter().map(|(b, s)| json!({"budget": b, "speedup": s})).collect();
+    }
+    (json, md)
 }
