@@ -3,8 +3,9 @@
 # multithreaded CPU kernels are not bit-exact):
 #   models/toy-target  the tiny Qwen3-VL-architecture target trained on the toy world
 #   models/toy-head    the GLANCE draft head trained on that target's own states
+#   models/toy-eagle3  the matched peer: an EAGLE-3 head trained on the same rows (same seed)
 # The target trains until sign, doc and chart all reach 96% exact match on 32 held-out prompts
-# each at an evaluation (or for the full schedule), the head for a fixed number of steps. Times and
+# each at an evaluation (or for the full schedule), the heads for a fixed number of steps. Times and
 # figures: models/README.md.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -21,4 +22,11 @@ rm -rf models/toy-head
   --rows "${GLANCE_TOY_HEAD_ROWS:-3000}" --held-out-rows 50 --steps "${GLANCE_TOY_HEAD_STEPS:-16000}" \
   --layers 2 --taps 0,1,2,3 --eval-every 2000 --checkpoint-every 2000 --threads 2
 rm -rf models/toy-head/init models/toy-head/train_state.safetensors
+rm -rf models/toy-eagle3
+./target/release/drafter-svc train --kind eagle3 --target models/toy-target --out models/toy-eagle3 \
+  --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-3000}" --held-out-rows 50 \
+  --steps "${GLANCE_TOY_HEAD_STEPS:-16000}" --taps 0,1,3 --eval-every 2000 --checkpoint-every 2000 \
+  --eval-depth 6 --threads 2
+rm -rf models/toy-eagle3/init models/toy-eagle3/train_state.safetensors models/toy-eagle3/regenerated.jsonl \
+  models/toy-eagle3/tap_states.*.safetensors
 ./target/release/toyworld eval --model models/toy-target --seed "$SEED" --samples 100
