@@ -96,6 +96,37 @@ struct BlockHeadSession {
     max_context: usize,
 }
 
+/// A context append as a session receives it: `rows` positions from `first`, with tap states
+/// `width` wide per row for `head`.
+struct Append {
+    head: &'static str,
+    first: usize,
+    rows: usize,
+    width: i64,
+}
+
+impl Append {
+    /// The states, once they are present, [rows, width], and within the session's context limit.
+    fn checked(&self, states: Option<Tensor>, max_context: usize) -> Result<Tensor, DraftError> {
+        let states = states.ok_or_else(|| DraftError::States(format!("{} needs tap states", self.head)))?;
+        if states.size() != [self.rows as i64, self.width] {
+            return Err(DraftError::States(format!(
+                "shape {:?}, expected [{}, {}]",
+                states.size(),
+                self.rows,
+                self.width
+            )));
+        }
+        if self.first + self.rows > max_context {
+            return Err(DraftError::Capacity(format!(
+                "{} positions, past the session's context limit of {max_context}",
+                self.first + self.rows
+            )));
+        }
+        Ok(states)
+    }
+}
+
 impl Session for BlockHeadSession {
     fn append_context(
         &mut self,
@@ -103,22 +134,9 @@ impl Session for BlockHeadSession {
         tokens: &[TokenId],
         states: Option<Tensor>,
     ) -> Result<(), DraftError> {
-        let states = states.ok_or_else(|| DraftError::States("the block head needs tap states".into()))?;
         let width = (self.head.tap_layers().len() as i64) * self.head.hidden_size();
-        if states.size() != [tokens.len() as i64, width] {
-            return Err(DraftError::States(format!(
-                "shape {:?}, expected [{}, {width}]",
-                states.size(),
-                tokens.len()
-            )));
-        }
-        if first + tokens.len() > self.max_context {
-            return Err(DraftError::Capacity(format!(
-                "{} positions, past the session's context limit of {}",
-                first + tokens.len(),
-                self.max_context
-            )));
-        }
+        let append = Append { head: "the block head", first, rows: tokens.len(), width };
+        let states = append.checked(states, self.max_context)?;
         self.history.append(first, tokens)?;
         // States that come from the host (an in-process caller; drafter-svc uploads its own) go up
         // without blocking.
@@ -236,22 +254,9 @@ impl Session for Eagle3Session {
         states: Option<Tensor>,
     ) -> Result<(), DraftError> {
         let head = &self.head.0;
-        let states = states.ok_or_else(|| DraftError::States("the EAGLE-3 head needs tap states".into()))?;
         let width = 3 * head.config().target_hidden_size;
-        if states.size() != [tokens.len() as i64, width] {
-            return Err(DraftError::States(format!(
-                "shape {:?}, expected [{}, {width}]",
-                states.size(),
-                tokens.len()
-            )));
-        }
-        if first + tokens.len() > self.max_context {
-            return Err(DraftError::Capacity(format!(
-                "{} positions, past the session's context limit of {}",
-                first + tokens.len(),
-                self.max_context
-            )));
-        }
+        let append = Append { head: "the EAGLE-3 head", first, rows: tokens.len(), width };
+        let states = append.checked(states, self.max_context)?;
         self.history.append(first, tokens)?;
         let device = head.device();
         let states =

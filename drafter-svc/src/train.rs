@@ -173,7 +173,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
     let mut optimizer = AdamW::new(named.iter().map(|(_, t)| t.shallow_clone()).collect(), 0.0);
     let first_step = if config.resume { restore_state(&config.out, &named, &mut optimizer)? } else { 0 };
     let warmup = ((config.steps as f64) * config.warmup_ratio).ceil() as usize;
-    let bar = progress_bar(config.steps, first_step);
+    let mut progress = Progress::new(config.steps, first_step);
     let mut rng = Rng::new(config.seed ^ 0x5EED);
     // Skip the randomness the resumed steps consumed, so a resumed run continues identically.
     for _ in 0..first_step {
@@ -191,9 +191,6 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
             Some(SampledVocab { frequent: ids, hard: Vec::new(), negatives, vocab: head.vocab_size() })
         }
     };
-    let mut last = Acceptance::default();
-    let mut smoothed = None;
-    let started = Instant::now();
     for step in first_step..config.steps {
         let row = rng.pick(&train_rows);
         if let Some(vocab) = sampled.as_mut().filter(|_| step % HARD_NEGATIVES_EVERY == 0) {
@@ -209,38 +206,75 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
         optimizer.clip_grad_norm(1.0);
         let lr = cosine_lr(step, config.steps, warmup, config.peak_lr, 0.0);
         optimizer.step(lr);
-        let value = loss.double_value(&[]);
-        let s = smoothed.map_or(value, |s: f64| 0.98 * s + 0.02 * value);
-        smoothed = Some(s);
-        bar.set_position(step as u64 + 1);
-        bar.set_message(format!(
-            "loss {s:.3} | held-out chain tau {:.2}, tree tau {:.2}",
-            last.chain_tau, last.tree_tau
-        ));
-        let done = step + 1 == config.steps;
-        if config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || done) {
-            last = tch::no_grad(|| acceptance(&head, &held_out));
-            bar.suspend(|| {
-                log(&format!(
-                    "step {}: loss {s:.3}, held-out chain tau {:.2}, tree tau {:.2} ({} anchors), {:.0}s",
-                    step + 1,
-                    last.chain_tau,
-                    last.tree_tau,
-                    last.anchors,
-                    started.elapsed().as_secs_f64()
-                ))
-            });
+        progress.stepped(step, loss.double_value(&[]));
+        if due(config.eval_every, step, config.steps) {
+            progress.evaluated(step, tch::no_grad(|| acceptance(&head, &held_out)), &mut log);
         }
-        if config.checkpoint_every > 0 && ((step + 1) % config.checkpoint_every == 0 || done) {
+        if due(config.checkpoint_every, step, config.steps) {
             save(&config.out, &head_dir, &named, &[], &optimizer, step + 1)?;
         }
     }
-    bar.finish();
     if config.eval_every == 0 {
-        last = tch::no_grad(|| acceptance(&head, &held_out));
+        progress.last = tch::no_grad(|| acceptance(&head, &held_out));
     }
-    log(&format!("final held-out chain tau {:.2}, tree tau {:.2}", last.chain_tau, last.tree_tau));
-    Ok(last)
+    Ok(progress.finish(&mut log))
+}
+
+/// Whether something done every `every` steps (0: never) is due after step `step` (from 0) of
+/// `steps`: at each multiple, and at the end.
+pub(crate) fn due(every: usize, step: usize, steps: usize) -> bool {
+    every > 0 && ((step + 1).is_multiple_of(every) || step + 1 == steps)
+}
+
+/// A training run's progress: the smoothed loss and the last held-out acceptance on the bar,
+/// each evaluation logged.
+pub(crate) struct Progress {
+    bar: indicatif::ProgressBar,
+    smoothed: f64,
+    started: Instant,
+    pub last: Acceptance,
+}
+
+impl Progress {
+    pub(crate) fn new(steps: usize, first_step: usize) -> Self {
+        let bar = progress_bar(steps, first_step);
+        Self { bar, smoothed: f64::NAN, started: Instant::now(), last: Acceptance::default() }
+    }
+
+    /// Step `step` (from 0) ended with this loss.
+    pub(crate) fn stepped(&mut self, step: usize, loss: f64) {
+        self.smoothed = if self.smoothed.is_nan() { loss } else { 0.98 * self.smoothed + 0.02 * loss };
+        self.bar.set_position(step as u64 + 1);
+        self.bar.set_message(format!(
+            "loss {:.3} | held-out chain tau {:.2}, tree tau {:.2}",
+            self.smoothed, self.last.chain_tau, self.last.tree_tau
+        ));
+    }
+
+    /// The held-out evaluation after step `step`.
+    pub(crate) fn evaluated(&mut self, step: usize, acceptance: Acceptance, log: &mut impl FnMut(&str)) {
+        self.last = acceptance;
+        let line = format!(
+            "step {}: loss {:.3}, held-out chain tau {:.2}, tree tau {:.2} ({} anchors), {:.0}s",
+            step + 1,
+            self.smoothed,
+            self.last.chain_tau,
+            self.last.tree_tau,
+            self.last.anchors,
+            self.started.elapsed().as_secs_f64()
+        );
+        self.bar.suspend(|| log(&line));
+    }
+
+    /// The run ended: its last acceptance, logged.
+    pub(crate) fn finish(self, log: &mut impl FnMut(&str)) -> Acceptance {
+        self.bar.finish();
+        log(&format!(
+            "final held-out chain tau {:.2}, tree tau {:.2}",
+            self.last.chain_tau, self.last.tree_tau
+        ));
+        self.last
+    }
 }
 
 pub(crate) fn progress_bar(total: usize, position: usize) -> indicatif::ProgressBar {

@@ -18,7 +18,6 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use glance_input::{PromptBuilder, PromptOptions};
 use glance_models::weights::Checkpoint;
@@ -31,7 +30,7 @@ use tch::{Kind, Tensor};
 use crate::eagle3::{default_tap_layers, Eagle3Config, Eagle3Head, TreeShape};
 use crate::init::{write_random_eagle3_head, Eagle3Spec};
 use crate::train::{
-    accepted_in_tree, most_frequent_response_tokens, progress_bar, restore_state, save, Acceptance, Row,
+    accepted_in_tree, due, most_frequent_response_tokens, restore_state, save, Acceptance, Progress, Row,
     RowBuilder, TrainConfig, TrainError,
 };
 
@@ -101,50 +100,30 @@ pub fn train_eagle3(config: &Eagle3TrainConfig, mut log: impl FnMut(&str)) -> Re
     let mut optimizer = AdamW::new(named.iter().map(|(_, t)| t.shallow_clone()).collect(), 0.0);
     let first_step = if base.resume { restore_state(&base.out, &named, &mut optimizer)? } else { 0 };
     let warmup = ((base.steps as f64) * base.warmup_ratio).ceil() as usize;
-    let bar = progress_bar(base.steps, first_step);
+    let mut progress = Progress::new(base.steps, first_step);
     let mut rng = Rng::new(base.seed ^ 0xEA61E3);
     for _ in 0..first_step {
         rng.next_u64();
     }
-    let (mut last, mut smoothed, started) = (Acceptance::default(), None, Instant::now());
     for step in first_step..base.steps {
         let row = rng.pick(&train_rows);
         let Some(loss) = ttt_loss(&head, row, config.ttt_length, &draft_of) else { continue };
         loss.backward();
         optimizer.clip_grad_norm(1.0);
         optimizer.step(cosine_lr(step, base.steps, warmup, base.peak_lr, 0.0));
-        let value = loss.double_value(&[]);
-        let s = smoothed.map_or(value, |s: f64| 0.98 * s + 0.02 * value);
-        smoothed = Some(s);
-        bar.set_position(step as u64 + 1);
-        bar.set_message(format!(
-            "loss {s:.3} | held-out chain tau {:.2}, tree tau {:.2}",
-            last.chain_tau, last.tree_tau
-        ));
-        let done = step + 1 == base.steps;
-        if base.eval_every > 0 && ((step + 1) % base.eval_every == 0 || done) {
-            last = tch::no_grad(|| eagle3_acceptance(&head, &held_out, config.eval_depth));
-            bar.suspend(|| {
-                log(&format!(
-                    "step {}: loss {s:.3}, held-out chain tau {:.2}, tree tau {:.2} ({} anchors), {:.0}s",
-                    step + 1,
-                    last.chain_tau,
-                    last.tree_tau,
-                    last.anchors,
-                    started.elapsed().as_secs_f64()
-                ))
-            });
+        progress.stepped(step, loss.double_value(&[]));
+        if due(base.eval_every, step, base.steps) {
+            let acceptance = tch::no_grad(|| eagle3_acceptance(&head, &held_out, config.eval_depth));
+            progress.evaluated(step, acceptance, &mut log);
         }
-        if base.checkpoint_every > 0 && ((step + 1) % base.checkpoint_every == 0 || done) {
+        if due(base.checkpoint_every, step, base.steps) {
             save(&base.out, &head_dir, &named, &buffers, &optimizer, step + 1)?;
         }
     }
-    bar.finish();
     if base.eval_every == 0 {
-        last = tch::no_grad(|| eagle3_acceptance(&head, &held_out, config.eval_depth));
+        progress.last = tch::no_grad(|| eagle3_acceptance(&head, &held_out, config.eval_depth));
     }
-    log(&format!("final held-out chain tau {:.2}, tree tau {:.2}", last.chain_tau, last.tree_tau));
-    Ok(last)
+    Ok(progress.finish(&mut log))
 }
 
 /// The head training starts from: the output when resuming, `--init`, or a fresh random head in
