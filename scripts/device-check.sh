@@ -57,7 +57,7 @@ PEER_PYTHON="$(cd "$(dirname "${PEER_PYTHON:-$PYTHON}")" && pwd)"
 export PATH="$PEER_PYTHON:$PATH"
 BIN="${TMPDIR:-/tmp}/glance-device-bin"
 rm -rf "$BIN" && mkdir -p "$BIN"
-for packed in "$HERE"/bin/*.xz; do xz -dc "$packed" > "$BIN/$(basename "$packed" .xz)"; done
+tar -xJf "$HERE/bin.tar.xz" -C "$BIN"
 chmod +x "$BIN"/*
 FIXTURES="${TMPDIR:-/tmp}/glance-device-fixtures"
 rm -rf "$FIXTURES" && mkdir -p "$FIXTURES" && tar -xJf "$HERE/fixtures.tar.xz" -C "$FIXTURES"
