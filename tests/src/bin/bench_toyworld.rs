@@ -382,8 +382,7 @@ fn report(
     }
     md += "| geomean | |";
     for s in &speedups {
-        let geo = (s.iter().map(|x| x.ln()).sum::<f64>() / s.len().max(1) as f64).exp();
-        md += &format!(" {geo:.2}x |");
+        md += &format!(" {:.2}x |", geomean(s.iter().copied()));
     }
     md += " |\n";
     md += &law_table(&per_task_logs, &pooled);
@@ -513,10 +512,20 @@ fn pooled_tau(cells: &BTreeMap<(usize, usize), Cell>, m: usize) -> f64 {
     }
 }
 
+/// The geometric mean of `values` (1 when there are none).
+fn geomean(values: impl IntoIterator<Item = f64>) -> f64 {
+    let (logs, n) = values.into_iter().fold((0.0, 0usize), |(sum, n), x| (sum + x.ln(), n + 1));
+    (logs / n.max(1) as f64).exp()
+}
+
+/// The geometric mean over the tasks of `value(task index)`.
+fn over_tasks(value: impl Fn(usize) -> f64) -> f64 {
+    geomean((0..Task::ALL.len()).map(value))
+}
+
 /// The geometric mean over the tasks of mode `g`'s tau over mode `e`'s.
 fn geo_ratio(cells: &BTreeMap<(usize, usize), Cell>, g: usize, e: usize) -> f64 {
-    let logs: f64 = (0..Task::ALL.len()).map(|t| (cells[&(t, g)].tau() / cells[&(t, e)].tau()).ln()).sum();
-    (logs / Task::ALL.len() as f64).exp()
+    over_tasks(|t| cells[&(t, g)].tau() / cells[&(t, e)].tau())
 }
 
 /// The paper's ablations over all tasks, each beside the paper's figure: the block head blind
@@ -527,16 +536,11 @@ fn ablations(
     cells: &BTreeMap<(usize, usize), Cell>,
 ) -> (serde_json::Value, String) {
     let find = |name: &str| modes.iter().position(|m| m.name == name);
-    let geo_over_tasks = |value: &dyn Fn(usize) -> f64| {
-        let logs: f64 = (0..Task::ALL.len()).map(|t| value(t).ln()).sum();
-        (logs / Task::ALL.len() as f64).exp()
-    };
-    let tau = |m: usize| move |t: usize| cells[&(t, m)].tau();
-    let speedup = |m: usize| move |t: usize| cells[&(t, 0)].ms_per_token() / cells[&(t, m)].ms_per_token();
+    let speedup = |m: usize| over_tasks(|t| cells[&(t, 0)].ms_per_token() / cells[&(t, m)].ms_per_token());
     let mut md = String::from("\nAblations (geometric means over the tasks), beside the paper:\n\n");
     let mut json = json!({});
     if let Some(blind) = find(&format!("tree-{}-no-states", args.law_budget)) {
-        let blind_tau = geo_over_tasks(&tau(blind));
+        let blind_tau = over_tasks(|t| cells[&(t, blind)].tau());
         md += &format!("- block head with its states zeroed: tree tau {blind_tau:.2} (paper: 1.11)\n");
         json["no_states_tau"] = json!(blind_tau);
     }
@@ -546,11 +550,8 @@ fn ablations(
             &format!("- tree (budget 31) tau over the same head's chain: {ratio:.2}x (paper: 1.45-1.49x)\n");
         json["tree_over_chain_tau"] = json!(ratio);
     }
-    let sweep: Vec<(u32, f64)> = args
-        .budgets
-        .iter()
-        .filter_map(|b| find(&format!("tree-{b}")).map(|m| (*b, geo_over_tasks(&speedup(m)))))
-        .collect();
+    let sweep: Vec<(u32, f64)> =
+        args.budgets.iter().filter_map(|b| find(&format!("tree-{b}")).map(|m| (*b, speedup(m)))).collect();
     if !sweep.is_empty() {
         let shown: Vec<String> = sweep.iter().map(|(b, s)| format!("{b}: {s:.2}x")).collect();
         md += &format!(
