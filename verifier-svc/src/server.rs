@@ -301,6 +301,9 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     health.set_service_status(READINESS, tonic_health::ServingStatus::Serving).await;
+    // Away until the first connection attempt says otherwise: a probe before it gets an answer,
+    // not NOT_FOUND.
+    health.set_service_status(DRAFTER_HEALTH, tonic_health::ServingStatus::NotServing).await;
     let drain = loaded.service.drain();
     tokio::spawn(watch_drafter(health.clone(), loaded.drafter.clone()));
     // Reflection in both versions: grpcurl before 1.9, older grpcui, Postman and Python's
