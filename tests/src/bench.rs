@@ -40,6 +40,12 @@ pub fn modes(budgets: &[u32]) -> Vec<Mode> {
     modes
 }
 
+/// The geometric mean of `values` (1 when there are none).
+pub fn geomean(values: impl IntoIterator<Item = f64>) -> f64 {
+    let (logs, n) = values.into_iter().fold((0.0, 0usize), |(sum, n), x| (sum + x.ln(), n + 1));
+    (logs / n.max(1) as f64).exp()
+}
+
 /// An output that differs from the autoregressive one: where, and for greedy decoding the target's
 /// top-2 logit margin there (a tie or near-tie in bf16 is rounding, not a bug). A sampled output
 /// has no margin to report: its token is a draw, not an argmax.

@@ -13,6 +13,7 @@ use tch::Tensor;
 pub mod bench;
 pub mod drafters;
 pub mod law_plot;
+pub mod matched;
 pub mod pki;
 pub mod process;
 pub mod requests;

@@ -5,7 +5,8 @@
 //! the round breakdown, accepted-per-depth, the entropy-law fit and, per prompt and mode, whether
 //! the output equals the autoregressive one; where it does not (bf16 rounding), the step and the
 //! target's top-2 logit margin there. The peer: transformers' own greedy `generate` on the same
-//! prompts in the same run (`tests/reference/bench_hf.py --prompts-file`).
+//! prompts in the same run (`tests/reference/bench_hf.py --prompts-file`). With `--eagle3-head`
+//! and `--ablate-states`, the paper's matched comparison on the real model (`glance_tests::matched`).
 
 use std::path::{Path, PathBuf};
 
@@ -13,10 +14,9 @@ use clap::Parser;
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::TargetModel;
 use glance_proto::v1 as pb;
-use glance_proto::v1::generation_client::GenerationClient;
 use glance_spec::law::Round;
 use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
-use glance_tests::process::ServiceProcess;
+use glance_tests::matched;
 use serde_json::json;
 use tch::{Device, Kind};
 
@@ -58,6 +58,14 @@ struct Args {
     /// The Python that runs transformers for the peer; `off` skips it.
     #[arg(long, default_value = ".venv/bin/python")]
     peer_python: String,
+    /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
+    /// depth 3 and 7 and its budget-31 tree, each through a drafter and a verifier of its own.
+    #[arg(long)]
+    eagle3_head: Option<PathBuf>,
+    /// The paper's ablation: adds the block head with its conditioning states zeroed (a tree at
+    /// the law budget), through its own drafter and verifier.
+    #[arg(long)]
+    ablate_states: bool,
     /// Output prefix: PREFIX.json, PREFIX.md and PREFIX-law.png (default bench-chat-DTYPE); while
     /// it runs, PREFIX.partial.* hold the prompts done so far.
     #[arg(long)]
@@ -85,8 +93,9 @@ fn request(prompt: &str, mode: &Mode, max_new: u32, sampling: Sampling, seed: u6
     }
 }
 
-fn selected_modes(args: &Args) -> Vec<Mode> {
-    bench::modes(&args.budgets)
+/// The modes asked for (autoregressive always first).
+fn selected(args: &Args, modes: Vec<Mode>) -> Vec<Mode> {
+    modes
         .into_iter()
         .filter(|m| {
             m.mode == pb::DecodingMode::Autoregressive
@@ -109,20 +118,12 @@ async fn main() {
     let prompts: Vec<String> = corpus.held_out.into_iter().take(args.prompts + 1).map(|p| p.text).collect();
     assert!(prompts.len() > args.prompts, "only {} held-out prompts", prompts.len() - 1);
     let (warm_up, prompts) = (&prompts[args.prompts], &prompts[..args.prompts]);
-    let modes = selected_modes(&args);
-    let threads = args.threads_per_service.to_string();
-    let env = [("OMP_NUM_THREADS", threads.as_str())];
-    let (head, model) = (args.head.to_str().expect("utf-8"), args.model.to_str().expect("utf-8"));
-    let dtype = ["--dtype", args.dtype.as_str()];
-    let drafter_args = [&["--kind", "block-head", "--head", head, "--target", model][..], &dtype].concat();
-    let drafter = ServiceProcess::drafter_with_env(&drafter_args, &env);
-    let verifier_args =
-        [&["--drafter", drafter.url.as_str(), "--max-tree-budget", "256"][..], &dtype].concat();
-    let verifier = ServiceProcess::verifier_with_env(&args.model, &verifier_args, &env);
-    let mut client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
+    let setup = setup(&args);
+    let (mut pairs, modes) = matched::pairs_and_modes(&setup).await;
+    let modes = selected(&args, modes);
     for mode in &modes {
         let warm = request(warm_up, mode, args.max_new_tokens, sampling, u64::MAX);
-        client.generate(warm).await.expect("warm-up");
+        pairs[mode.pair].client.generate(warm).await.expect("warm-up");
     }
     let bar = indicatif::ProgressBar::new((prompts.len() * modes.len()) as u64);
     let mut cells = vec![Cell::default(); modes.len()];
@@ -131,7 +132,7 @@ async fn main() {
     for (p, prompt) in prompts.iter().enumerate() {
         for (m, mode) in modes.iter().enumerate() {
             let asked = request(prompt, mode, args.max_new_tokens, sampling, p as u64);
-            let r = client.generate(asked).await.expect("generate");
+            let r = pairs[mode.pair].client.generate(asked).await.expect("generate");
             let r = r.into_inner();
             if m == 0 {
                 ar_tokens.push(r.token_ids.clone());
@@ -143,19 +144,33 @@ async fn main() {
         }
         // A long run leaves its figures so far behind (no margins or peer yet), prompt by prompt.
         let partial = format!("{out}.partial");
-        let (json, md) = report(&args, &modes, &cells, &[], None, &ar_tokens, &partial);
+        let (json, md) = report(&args, &setup, &modes, &cells, &[], None, &ar_tokens, &partial);
         write_report(&partial, &json, &md);
     }
     bar.finish_and_clear();
-    drop((verifier, drafter));
+    drop(pairs);
     let divergences = margins(&args, prompts, &ar_tokens, diverged);
     let peer = peer(&args, prompts);
-    let (json, md) = report(&args, &modes, &cells, &divergences, peer.as_ref(), &ar_tokens, &out);
+    let (json, md) = report(&args, &setup, &modes, &cells, &divergences, peer.as_ref(), &ar_tokens, &out);
     write_report(&out, &json, &md);
     let _ = std::fs::remove_file(format!("{out}.partial.json"));
     let _ = std::fs::remove_file(format!("{out}.partial.md"));
     let _ = std::fs::remove_file(format!("{out}.partial-law.png"));
     println!("{md}");
+}
+
+/// The service pairs' setup: the block head's, and the matched comparison's when asked for.
+fn setup(args: &Args) -> matched::Setup {
+    matched::Setup {
+        target: args.model.clone(),
+        head: args.head.clone(),
+        dtype: args.dtype.clone(),
+        threads_per_service: args.threads_per_service,
+        budgets: args.budgets.clone(),
+        law_budget: args.law_budget,
+        eagle3_head: args.eagle3_head.clone(),
+        ablate_states: args.ablate_states,
+    }
 }
 
 /// PREFIX.json and PREFIX.md.
@@ -233,8 +248,10 @@ fn peer(args: &Args, prompts: &[String]) -> Option<PeerRun> {
 }
 
 /// The JSON report and its markdown.
+#[allow(clippy::too_many_arguments)]
 fn report(
     args: &Args,
+    setup: &matched::Setup,
     modes: &[Mode],
     cells: &[Cell],
     divergences: &[Divergence],
@@ -289,10 +306,16 @@ fn report(
     }
     let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.dtype, &mut md));
     md += &bench::divergence_section(divergences);
+    let matched = (setup.eagle3_head.is_some() || setup.ablate_states).then(|| {
+        let cells: matched::Cells = cells.iter().enumerate().map(|(m, c)| ((0, m), c.clone())).collect();
+        let (json, section) = matched::comparison(setup, &["held-out chat"], modes, &cells);
+        md += &section;
+        json
+    });
     let json = json!({
         "model": model, "dtype": args.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
         "threads_per_service": args.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
-        "law_mode": law_name, "peer": peer_json,
+        "law_mode": law_name, "peer": peer_json, "matched": matched,
         "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),
     });
     (json, md)

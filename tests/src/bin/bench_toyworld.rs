@@ -15,10 +15,9 @@ use clap::Parser;
 use glance_input::{PromptBuilder, PromptOptions};
 use glance_models::TargetModel;
 use glance_proto::v1 as pb;
-use glance_proto::v1::generation_client::GenerationClient;
 use glance_spec::law::Round;
 use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
-use glance_tests::process::ServiceProcess;
+use glance_tests::matched;
 use glance_toyworld::{sample, Split, Task};
 use serde_json::json;
 
@@ -77,72 +76,18 @@ struct Args {
     ablate_states: bool,
 }
 
-/// A verifier and the drafter behind it; the main pair serves the block head.
-struct Pair {
-    _drafter: ServiceProcess,
-    _verifier: ServiceProcess,
-    client: GenerationClient<tonic::transport::Channel>,
-}
-
-impl Pair {
-    async fn start(args: &Args, drafter_args: &[&str]) -> Self {
-        let threads = args.threads_per_service.to_string();
-        let env = [("OMP_NUM_THREADS", threads.as_str())];
-        let dtype = ["--dtype", args.dtype.as_str()];
-        let drafter = ServiceProcess::drafter_with_env(&[drafter_args, &dtype].concat(), &env);
-        let verifier = ServiceProcess::verifier_with_env(
-            &args.target,
-            &["--drafter", &drafter.url, "--max-tree-budget", "256", "--dtype", &args.dtype],
-            &env,
-        );
-        let client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
-        Self { _drafter: drafter, _verifier: verifier, client }
+/// The service pairs' setup: the block head's, and the matched comparison's when asked for.
+fn setup(args: &Args) -> matched::Setup {
+    matched::Setup {
+        target: args.target.clone(),
+        head: args.head.clone(),
+        dtype: args.dtype.clone(),
+        threads_per_service: args.threads_per_service,
+        budgets: args.budgets.clone(),
+        law_budget: args.law_budget,
+        eagle3_head: args.eagle3_head.clone(),
+        ablate_states: args.ablate_states,
     }
-}
-
-/// The service pairs and the modes they serve: the block head's on pair 0, then the EAGLE-3
-/// ones and the ablation when asked for.
-async fn pairs_and_modes(args: &Args) -> (Vec<Pair>, Vec<Mode>) {
-    let (head, target) = (args.head.to_str().expect("utf-8"), args.target.to_str().expect("utf-8"));
-    let mut pairs =
-        vec![Pair::start(args, &["--kind", "block-head", "--head", head, "--target", target]).await];
-    let mut modes = bench::modes(&args.budgets);
-    if let Some(eagle) = &args.eagle3_head {
-        let eagle = eagle.to_str().expect("utf-8");
-        for (depth, chain, tree) in
-            [(2usize, "eagle3-chain-3", None), (6, "eagle3-chain-7", Some("eagle3-tree-31"))]
-        {
-            let depth_arg = depth.to_string();
-            let drafter =
-                ["--kind", "eagle3", "--head", eagle, "--target", target, "--eagle-depth", &depth_arg];
-            pairs.push(Pair::start(args, &drafter).await);
-            let pair = pairs.len() - 1;
-            let passes = depth + 1;
-            let mode = |name: &str, mode, budget| Mode {
-                name: name.into(),
-                mode,
-                budget,
-                pair,
-                draft_passes: passes,
-            };
-            modes.push(mode(chain, pb::DecodingMode::SpeculativeChain, 0));
-            if let Some(tree) = tree {
-                modes.push(mode(tree, pb::DecodingMode::SpeculativeTree, 31));
-            }
-        }
-    }
-    if args.ablate_states {
-        let blind = ["--kind", "block-head", "--head", head, "--target", target, "--zero-states"];
-        pairs.push(Pair::start(args, &blind).await);
-        modes.push(Mode {
-            name: format!("tree-{}-no-states", args.law_budget),
-            mode: pb::DecodingMode::SpeculativeTree,
-            budget: args.law_budget,
-            pair: pairs.len() - 1,
-            draft_passes: 1,
-        });
-    }
-    (pairs, modes)
 }
 
 /// Text-only prompts for the off-distribution check: the toy world always shows an image, so the
@@ -186,7 +131,8 @@ struct Run {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    let (mut pairs, modes) = pairs_and_modes(&args).await;
+    let setup = setup(&args);
+    let (mut pairs, modes) = matched::pairs_and_modes(&setup).await;
     let warm_up = sample(Split::HeldOut, Task::Doc, args.seed, 10_000);
     for mode in &modes {
         let warm = request(&warm_up, mode, args.max_new_tokens, Sampling::GREEDY, 0);
@@ -210,7 +156,8 @@ async fn main() {
         md += &section;
         md += &bench::divergence_section(&divergences);
         if args.eagle3_head.is_some() || args.ablate_states {
-            let (matched_json, matched_md) = matched_comparison(&args, &modes, &run.cells);
+            let tasks: Vec<&str> = Task::ALL.iter().map(|t| t.name()).collect();
+            let (matched_json, matched_md) = matched::comparison(&setup, &tasks, &modes, &run.cells);
             json["matched"] = matched_json;
             md += &matched_md;
         }
@@ -233,7 +180,7 @@ async fn main() {
 /// the autoregressive one of the same prompt (and seed).
 async fn run(
     args: &Args,
-    pairs: &mut [Pair],
+    pairs: &mut [matched::Pair],
     modes: &[Mode],
     sampling: Sampling,
     bar: &indicatif::ProgressBar,
@@ -294,7 +241,7 @@ fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Dive
 /// identical to the autoregressive one.
 async fn off_distribution(
     args: &Args,
-    pairs: &mut [Pair],
+    pairs: &mut [matched::Pair],
     modes: &[Mode],
 ) -> Option<(serde_json::Value, String)> {
     if args.text_tokens == 0 {
@@ -382,7 +329,7 @@ fn report(
     }
     md += "| geomean | |";
     for s in &speedups {
-        md += &format!(" {:.2}x |", geomean(s.iter().copied()));
+        md += &format!(" {:.2}x |", bench::geomean(s.iter().copied()));
     }
     md += " |\n";
     md += &law_table(&per_task_logs, &pooled);
@@ -405,160 +352,4 @@ fn law_plot(path: &std::path::Path, per_task: &[(Task, Vec<Round>)], pooled: &[R
     let named: Vec<(&str, &[Round])> =
         per_task.iter().map(|(t, l)| (t.name(), l.as_slice())).chain([("pooled", pooled)]).collect();
     bench::law_plot(path, "accepted length vs target entropy (toy world, glance tree)", &named)
-}
-
-/// The pairs of modes whose tau ratio the matched comparison reports: the paper's (its GLANCE
-/// at budget 63 against the matched EAGLE-3 head's depth-3 chain: pooled 4.37 / 1.60 = 2.7x,
-/// 4.0x on ChartQA) and the like-for-like one (both trees at budget 31).
-const RATIOS: [(&str, &str, &str); 2] = [
-    ("tree-63", "eagle3-chain-3", "paper: 2.7x pooled, 4.0x ChartQA"),
-    ("tree-31", "eagle3-tree-31", "no paper figure"),
-];
-
-/// The paper's matched comparison on one run: per task, the block head's trees at budgets 31 and
-/// 63 and its chain, EAGLE-3's chains of depth 3 and 7 and its budget-31 tree (and the
-/// zeroed-states ablation): tau, drafter passes and milliseconds per round, speed-up, lossless
-/// prompts; and the matched-training tau ratios of `RATIOS`, per task and pooled over the tasks.
-fn matched_comparison(
-    args: &Args,
-    modes: &[Mode],
-    cells: &BTreeMap<(usize, usize), Cell>,
-) -> (serde_json::Value, String) {
-    let wanted = [
-        "tree-31",
-        "tree-63",
-        "chain",
-        "eagle3-chain-3",
-        "eagle3-chain-7",
-        "eagle3-tree-31",
-        "prompt-lookup",
-        "auto",
-    ];
-    let ablation = format!("tree-{}-no-states", args.law_budget);
-    let shown: Vec<usize> = modes
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| wanted.contains(&m.name.as_str()) || m.name == ablation)
-        .map(|(i, _)| i)
-        .collect();
-    let find = |name: &str| modes.iter().position(|m| m.name == name);
-    let ratios: Vec<(String, usize, usize)> = RATIOS
-        .iter()
-        .filter_map(|(g, e, paper)| Some((format!("{g} / {e} tau ({paper})"), find(g)?, find(e)?)))
-        .collect();
-    let mut md = String::from(
-        "\nMatched comparison (the block head and EAGLE-3 trained on the same rows): tau / drafter passes per round / draft ms per round / speed-up / lossless prompts\n\n| task |",
-    );
-    for &m in shown.iter() {
-        md += &format!(" {} |", modes[m].name);
-    }
-    for (name, _, _) in &ratios {
-        md += &format!(" {name} |");
-    }
-    md += "\n|---|";
-    md += &"---|".repeat(shown.len() + ratios.len());
-    md += "\n";
-    let mut json_tasks = Vec::new();
-    for (t, task) in Task::ALL.iter().enumerate() {
-        let ar = cells[&(t, 0)].ms_per_token();
-        md += &format!("| {} |", task.name());
-        let mut json_modes = Vec::new();
-        for &m in &shown {
-            let c = &cells[&(t, m)];
-            let draft_ms = c.round_breakdown()[0];
-            md += &format!(
-                " {:.2} / {} / {:.1} / {:.2}x / {}/{} |",
-                c.tau(),
-                modes[m].draft_passes,
-                draft_ms,
-                ar / c.ms_per_token(),
-                c.lossless,
-                c.prompts
-            );
-            json_modes.push(json!({"mode": modes[m].name, "tau": c.tau(), "draft_passes": modes[m].draft_passes, "draft_ms_per_round": draft_ms, "speedup": ar / c.ms_per_token(), "lossless": c.lossless, "prompts": c.prompts}));
-        }
-        let mut json_ratios = Vec::new();
-        for (name, g, e) in &ratios {
-            let ratio = cells[&(t, *g)].tau() / cells[&(t, *e)].tau();
-            md += &format!(" {ratio:.2}x |");
-            json_ratios.push(json!({"ratio": name, "value": ratio}));
-        }
-        md += "\n";
-        json_tasks.push(json!({"task": task.name(), "modes": json_modes, "tau_ratios": json_ratios}));
-    }
-    let mut json_pooled = Vec::new();
-    for (name, g, e) in &ratios {
-        let (pooled, geo) = (pooled_tau(cells, *g) / pooled_tau(cells, *e), geo_ratio(cells, *g, *e));
-        md += &format!(
-            "\n{name}: pooled over the tasks' rounds {pooled:.2}x, geometric mean of the tasks {geo:.2}x.\n"
-        );
-        json_pooled.push(json!({"ratio": name, "pooled": pooled, "geomean": geo}));
-    }
-    let (ablations_json, ablations_md) = ablations(args, modes, cells);
-    md += &ablations_md;
-    (json!({"tasks": json_tasks, "tau_ratios": json_pooled, "ablations": ablations_json}), md)
-}
-
-/// Tau of mode `m` pooled over every task's rounds (committed tokens over rounds), as the paper
-/// pools its five tasks.
-fn pooled_tau(cells: &BTreeMap<(usize, usize), Cell>, m: usize) -> f64 {
-    let (committed, rounds) = (0..Task::ALL.len())
-        .map(|t| &cells[&(t, m)])
-        .fold((0.0, 0u64), |(c, r), cell| (c + cell.committed, r + cell.rounds));
-    if rounds == 0 {
-        1.0
-    } else {
-        committed / rounds as f64
-    }
-}
-
-/// The geometric mean of `values` (1 when there are none).
-fn geomean(values: impl IntoIterator<Item = f64>) -> f64 {
-    let (logs, n) = values.into_iter().fold((0.0, 0usize), |(sum, n), x| (sum + x.ln(), n + 1));
-    (logs / n.max(1) as f64).exp()
-}
-
-/// The geometric mean over the tasks of `value(task index)`.
-fn over_tasks(value: impl Fn(usize) -> f64) -> f64 {
-    geomean((0..Task::ALL.len()).map(value))
-}
-
-/// The geometric mean over the tasks of mode `g`'s tau over mode `e`'s.
-fn geo_ratio(cells: &BTreeMap<(usize, usize), Cell>, g: usize, e: usize) -> f64 {
-    over_tasks(|t| cells[&(t, g)].tau() / cells[&(t, e)].tau())
-}
-
-/// The paper's ablations over all tasks, each beside the paper's figure: the block head blind
-/// (states zeroed), its tree against its own chain, and the speed-up over the tree budgets.
-fn ablations(
-    args: &Args,
-    modes: &[Mode],
-    cells: &BTreeMap<(usize, usize), Cell>,
-) -> (serde_json::Value, String) {
-    let find = |name: &str| modes.iter().position(|m| m.name == name);
-    let speedup = |m: usize| over_tasks(|t| cells[&(t, 0)].ms_per_token() / cells[&(t, m)].ms_per_token());
-    let mut md = String::from("\nAblations (geometric means over the tasks), beside the paper:\n\n");
-    let mut json = json!({});
-    if let Some(blind) = find(&format!("tree-{}-no-states", args.law_budget)) {
-        let blind_tau = over_tasks(|t| cells[&(t, blind)].tau());
-        md += &format!("- block head with its states zeroed: tree tau {blind_tau:.2} (paper: 1.11)\n");
-        json["no_states_tau"] = json!(blind_tau);
-    }
-    if let (Some(tree), Some(chain)) = (find("tree-31"), find("chain")) {
-        let ratio = geo_ratio(cells, tree, chain);
-        md +=
-            &format!("- tree (budget 31) tau over the same head's chain: {ratio:.2}x (paper: 1.45-1.49x)\n");
-        json["tree_over_chain_tau"] = json!(ratio);
-    }
-    let sweep: Vec<(u32, f64)> =
-        args.budgets.iter().filter_map(|b| find(&format!("tree-{b}")).map(|m| (*b, speedup(m)))).collect();
-    if !sweep.is_empty() {
-        let shown: Vec<String> = sweep.iter().map(|(b, s)| format!("{b}: {s:.2}x")).collect();
-        md += &format!(
-            "- tree speed-up by budget: {} (paper: rises from 15 to 31, then flattens)\n",
-            shown.join(", ")
-        );
-        json["speedup_by_budget"] = sweep.iter().map(|(b, s)| json!({"budget": b, "speedup": s})).collect();
-    }
-    (json, md)
 }
