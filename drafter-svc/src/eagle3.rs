@@ -586,8 +586,7 @@ impl Eagle3Head {
                 node = candidates[n].parent;
             }
         }
-        let tree =
-            Tensor::from_slice(&tree).view([frontier.len() as i64, width as i64]).to_device(self.device);
+        let tree = glance_models::upload(&tree, self.device).view([frontier.len() as i64, width as i64]);
         let context = Tensor::ones([frontier.len() as i64, committed as i64], (Kind::Bool, self.device));
         Tensor::cat(&[context, tree], 1)
     }

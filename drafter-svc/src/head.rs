@@ -422,7 +422,7 @@ impl DraftHead {
             positions.extend(a..a + block);
         }
         let mut hidden = self.embed_tokens(&ids);
-        let rotary = self.rotary_at(Tensor::from_slice(&positions));
+        let rotary = self.rotary_at(glance_models::upload(&positions, self.device));
         let mask = training_mask(anchors, rows, block, self.kind, self.device);
         for layer in &self.layers {
             hidden = layer.forward_masked(&hidden, &ctx, &rotary, &mask);
@@ -761,7 +761,7 @@ fn training_mask(anchors: &[i64], rows: i64, block: i64, kind: Kind, device: Dev
             }
         }
     }
-    Tensor::from_slice(&mask).view([count * block, width]).to_device(device).to_kind(kind)
+    glance_models::upload(&mask, device).view([count * block, width]).to_kind(kind)
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value, HeadError> {

@@ -251,7 +251,7 @@ fn normal_matrix(name: &str, shape: &[i64], spec: &HeadSpec) -> Tensor {
     let count: i64 = shape.iter().product();
     let mut rng = Rng::new(spec.seed ^ fnv1a(name.as_bytes()));
     let values: Vec<f32> = (0..count).map(|_| (rng.standard_normal() * spec.init_std) as f32).collect();
-    Tensor::from_slice(&values).view(shape)
+    glance_models::host_tensor(&values).view(shape)
 }
 
 /// What EAGLE-3 head to build; dimensions are the target's (one decoder layer of its width).
@@ -358,8 +358,8 @@ pub fn write_random_eagle3_head(
         let offsets: Vec<i64> = draft_vocab.iter().enumerate().map(|(i, &t)| t - i as i64).collect();
         let mut mask = vec![false; vocab as usize];
         draft_vocab.iter().for_each(|&t| mask[t as usize] = true);
-        tensors.push(("d2t".into(), Tensor::from_slice(&offsets)));
-        tensors.push(("t2d".into(), Tensor::from_slice(&mask)));
+        tensors.push(("d2t".into(), glance_models::host_tensor(&offsets)));
+        tensors.push(("t2d".into(), glance_models::host_tensor(&mask)));
     }
     save::create_dir(out_dir)?;
     save::write_json(&out_dir.join("config.json"), &config)?;

@@ -206,7 +206,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
         optimizer.clip_grad_norm(1.0);
         let lr = cosine_lr(step, config.steps, warmup, config.peak_lr, 0.0);
         optimizer.step(lr);
-        progress.stepped(step, loss.double_value(&[]));
+        progress.stepped(step, glance_models::read_f64(&loss));
         if due(config.eval_every, step, config.steps) {
             progress.evaluated(step, tch::no_grad(|| acceptance(&head, &held_out)), &mut log);
         }
@@ -668,12 +668,12 @@ pub fn block_loss(head: &DraftHead, row: &Row, anchors: &[i64], gamma: f64, scor
             ids.dedup();
             let index = |t: &i64| ids.binary_search(t).expect("every label is scored") as i64;
             let labels = labels.iter().map(index).collect();
-            (head.logits_over(&hidden, &Tensor::from_slice(&ids).to_device(device)), labels)
+            (head.logits_over(&hidden, &glance_models::upload(&ids, device)), labels)
         }
     };
     let vocab = logits.size()[2];
-    let labels = Tensor::from_slice(&labels).to_device(device);
-    let weights = Tensor::from_slice(&weights).to_device(device);
+    let labels = glance_models::upload(&labels, device);
+    let weights = glance_models::upload(&weights, device);
     cross_entropy(&logits.view([-1, vocab]), &labels, Some(&weights))
 }
 
@@ -756,7 +756,7 @@ pub(crate) fn save(
         state.push((format!("adam.m.{name}"), m.shallow_clone()));
         state.push((format!("adam.v.{name}"), v.shallow_clone()));
     }
-    state.push(("step".into(), Tensor::from_slice(&[step as i64])));
+    state.push(("step".into(), glance_models::host_tensor(&[step as i64])));
     Ok(save::write_safetensors(&out.join("train_state.safetensors"), &state)?)
 }
 
@@ -776,7 +776,7 @@ pub(crate) fn restore_state(
     };
     let first = named.iter().map(|(n, _)| get(&format!("adam.m.{n}"))).collect::<Result<Vec<_>, _>>()?;
     let second = named.iter().map(|(n, _)| get(&format!("adam.v.{n}"))).collect::<Result<Vec<_>, _>>()?;
-    let step = get("step")?.int64_value(&[0]);
+    let step = glance_models::read_i64(&get("step")?);
     optimizer.restore(step, first, second);
     Ok(step as usize)
 }

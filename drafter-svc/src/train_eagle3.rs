@@ -111,7 +111,7 @@ pub fn train_eagle3(config: &Eagle3TrainConfig, mut log: impl FnMut(&str)) -> Re
         loss.backward();
         optimizer.clip_grad_norm(1.0);
         optimizer.step(cosine_lr(step, base.steps, warmup, base.peak_lr, 0.0));
-        progress.stepped(step, loss.double_value(&[]));
+        progress.stepped(step, glance_models::read_f64(&loss));
         if due(base.eval_every, step, base.steps) {
             let acceptance = tch::no_grad(|| eagle3_acceptance(&head, &held_out, config.eval_depth));
             progress.evaluated(step, acceptance, &mut log);
@@ -194,12 +194,12 @@ pub fn ttt_loss(head: &Eagle3Head, row: &Row, steps: usize, draft_of: &HashMap<i
         let out = head.forward_ttt(
             &hidden,
             &glance_models::upload(&tokens, device),
-            &Tensor::from_slice(&positions).to_device(device),
+            &glance_models::upload(&positions, device),
             &mut cache,
         );
         let logits = head.logits(&out);
-        let labels = Tensor::from_slice(&labels).to_device(device);
-        let weights = Tensor::from_slice(&weights).to_device(device);
+        let labels = glance_models::upload(&labels, device);
+        let weights = glance_models::upload(&weights, device);
         let loss = cross_entropy(&logits, &labels, Some(&weights)) * STEP_DECAY.powi(k as i32);
         total = Some(match total {
             Some(t) => t + loss,

@@ -7,6 +7,8 @@
 //! Fixture root: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`; the head and its dumps live
 //! in `<root>/tiny-llama-eagle3/`. Skipped when absent unless `GLANCE_REQUIRE_FIXTURES=1`.
 
+#![allow(clippy::disallowed_methods)] // tests build and read host tensors freely
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 

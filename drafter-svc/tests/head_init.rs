@@ -5,6 +5,8 @@
 //! Needs the tiny targets of `tests/reference/make_reference.py` under `$GLANCE_FIXTURES` (else
 //! `<workspace>/tests/fixtures`); skipped when absent unless `GLANCE_REQUIRE_FIXTURES=1`.
 
+#![allow(clippy::disallowed_methods)] // tests build and read host tensors freely
+
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;

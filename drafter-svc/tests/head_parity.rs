@@ -7,6 +7,8 @@
 //! Fixture root: `$GLANCE_FIXTURES`, else `<workspace>/tests/fixtures`; the heads and their dumps
 //! live in `<root>/<target>-dflash/`. Skipped when absent unless `GLANCE_REQUIRE_FIXTURES=1`.
 
+#![allow(clippy::disallowed_methods)] // tests build and read host tensors freely
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

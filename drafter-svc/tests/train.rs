@@ -1,6 +1,8 @@
 //! Drafter training: one step lowers the loss on a fixed batch, and a short run (seconds) produces
 //! a head that loads in drafter-svc's engine unchanged and drafts.
 
+#![allow(clippy::disallowed_methods)] // tests build and read host tensors freely
+
 use std::path::PathBuf;
 
 use drafter_svc::head::{DraftHead, DraftHeadConfig};

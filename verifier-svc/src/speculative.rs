@@ -495,7 +495,7 @@ pub fn measure_verify_costs(model: &TargetModel, max_rows: usize) -> Result<Veri
             logits: LogitRows::All,
         };
         let logits = model.forward(&step, cache)?.logits.expect("logits were requested");
-        let _ = logits.argmax(-1, false).int64_value(&[0]);
+        let _ = glance_models::read_i64(&logits.argmax(-1, false));
         Ok(())
     };
     forward(&mut cache, CALIBRATION_CONTEXT)?;
@@ -935,7 +935,7 @@ impl TapRows {
         let rows = self.keep.len() as i64;
         let is_prefix = self.keep.iter().enumerate().all(|(i, &k)| i == k);
         let index = (!is_prefix)
-            .then(|| Tensor::from_slice(&self.keep.iter().map(|&k| k as i64).collect::<Vec<_>>()));
+            .then(|| glance_models::host_tensor(&self.keep.iter().map(|&k| k as i64).collect::<Vec<_>>()));
         let mut column = 0;
         for tap in &self.taps {
             let width = tap.size()[1];
@@ -954,6 +954,7 @@ impl TapRows {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests build and read host tensors freely
 mod tests {
     use super::*;
 

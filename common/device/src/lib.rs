@@ -5,9 +5,12 @@
 //! results come back with [`read_back`] (a host sync on a GPU: it waits for every kernel and copy
 //! queued before). Each call is counted per thread ([`crossings`]), so a test on the CPU can assert
 //! how many syncs a round takes on a GPU (on the CPU itself the calls cost nothing and move nothing).
+//! The crates whose code runs on a model's device link this crate's `clippy.toml` as theirs: it
+//! bans making tensors from host data, or reading values off tensors, any other way.
 
 use std::cell::Cell;
 
+use tch::kind::Element;
 use tch::{Device, Tensor};
 
 thread_local! {
@@ -64,10 +67,32 @@ fn count(counter: &'static std::thread::LocalKey<Cell<u64>>) {
     counter.with(|c| c.set(c.get() + 1));
 }
 
-/// Small host data (token ids, positions, row indices) as an int64 tensor on `device`, without a
+/// Small host data (token ids, positions, row indices, masks) as a tensor on `device`, without a
 /// host sync (see [`upload_tensor`]).
-pub fn upload(values: &[i64], device: Device) -> Tensor {
-    upload_tensor(&Tensor::from_slice(values), device)
+pub fn upload<T: Element>(values: &[T], device: Device) -> Tensor {
+    upload_tensor(&host_tensor(values), device)
+}
+
+/// Host data as a tensor that stays on the host (a checkpoint being written, a host-side index):
+/// no crossing. The serving crates' clippy rule (`common/device/clippy.toml`) bans
+/// `Tensor::from_slice` there, so every tensor made from host data says where it lives: here, or
+/// on the device through [`upload`].
+#[allow(clippy::disallowed_methods)] // the one place host data becomes a tensor
+pub fn host_tensor<T: Element>(values: &[T]) -> Tensor {
+    Tensor::from_slice(values)
+}
+
+/// One value of `tensor` (its first element), read back: a host sync when it is on a GPU,
+/// counted as one.
+#[allow(clippy::disallowed_methods)] // on the host after the counted read-back
+pub fn read_f64(tensor: &Tensor) -> f64 {
+    read_back(&tensor.flatten(0, -1).narrow(0, 0, 1)).double_value(&[0])
+}
+
+/// One integer value of `tensor` (its first element), read back as [`read_f64`] does.
+#[allow(clippy::disallowed_methods)] // on the host after the counted read-back
+pub fn read_i64(tensor: &Tensor) -> i64 {
+    read_back(&tensor.flatten(0, -1).narrow(0, 0, 1)).int64_value(&[0])
 }
 
 /// A CPU tensor copied to `device`. On a GPU the copy goes through pinned memory without blocking,

@@ -8,7 +8,6 @@ use std::path::Path;
 
 use glance_models::config::TargetConfig;
 use glance_models::decode::ModelInputs;
-use tch::Tensor;
 use tokenizers::Tokenizer;
 
 use super::chat::{token_text, ChatTemplate, TemplateContent, TemplateMessage, TemplatePart};
@@ -104,7 +103,7 @@ impl Prompt {
         let pixels: Vec<f32> = self.images.iter().flat_map(|im| im.pixel_values.iter().copied()).collect();
         let pixel_values = (!self.images.is_empty()).then(|| {
             let patch_dim = self.images[0].patch_dim as i64;
-            Tensor::from_slice(&pixels).view([-1, patch_dim])
+            glance_models::host_tensor(&pixels).view([-1, patch_dim])
         });
         ModelInputs {
             input_ids: self.input_ids.iter().map(|&i| i as i64).collect(),

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::readout::{read_rows, Reads, TokenLogprob};
 use crate::sampling::{Draw, Sampling};
@@ -26,7 +26,7 @@ pub struct ModelInputs {
 impl ModelInputs {
     pub fn positions_tensor(&self) -> Tensor {
         let flat: Vec<i64> = self.positions.iter().flatten().copied().collect();
-        Tensor::from_slice(&flat).view([3, self.input_ids.len() as i64])
+        crate::host_tensor(&flat).view([3, self.input_ids.len() as i64])
     }
 }
 
@@ -198,8 +198,8 @@ pub fn prefill_with_taps(
         }
         _ => None,
     };
-    let ids = Tensor::from_slice(&inputs.input_ids).to_device(device);
-    let positions = inputs.positions_tensor().to_device(device);
+    let ids = crate::upload(&inputs.input_ids, device);
+    let positions = crate::upload_tensor(&inputs.positions_tensor(), device);
     let step = StepInput {
         token_ids: &ids,
         positions: &positions,
@@ -245,7 +245,7 @@ pub fn teacher_forced(
     let positions =
         Tensor::arange_start(start, start + count, (Kind::Int64, device)).view([1, count]).repeat([3, 1]);
     let step = StepInput {
-        token_ids: &Tensor::from_slice(continuation).to_device(device),
+        token_ids: &crate::upload(continuation, device),
         positions: &positions,
         mask: None,
         vision: None,
@@ -274,7 +274,7 @@ pub fn read_last(
 /// Greedy choice over the last row, in f32 (ties go to the lowest id, as torch's argmax).
 pub fn argmax_last(logits: &Tensor) -> i64 {
     let rows = logits.size()[0];
-    crate::read_back(&logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false)).int64_value(&[])
+    crate::read_i64(&logits.get(rows - 1).to_kind(Kind::Float).argmax(0, false))
 }
 
 /// Greedy decoding of several prompts at once, left-padded to one length and advancing
@@ -318,9 +318,9 @@ pub fn greedy_generate_batch(
         let positions: Vec<i64> =
             (0..3).flat_map(|_| padded.next_positions.iter().map(|p| p + step)).collect();
         let decode = StepInput {
-            token_ids: &Tensor::from_slice(&next).to_device(device),
-            positions: &Tensor::from_slice(&positions).view([3, batch as i64]).to_device(device),
-            mask: Some(&padded.decode_mask(cache.len(), kind).to_device(device)),
+            token_ids: &crate::upload(&next, device),
+            positions: &crate::upload(&positions, device).view([3, batch as i64]),
+            mask: Some(&padded.decode_mask(cache.len(), kind, device)),
             vision: None,
             taps: &[],
             logits: LogitRows::Last,
@@ -347,12 +347,12 @@ impl PaddedBatch {
     }
 
     /// (batch, 1, past + 1): everything but the sequence's own pad columns.
-    fn decode_mask(&self, past: usize, kind: Kind) -> Tensor {
+    fn decode_mask(&self, past: usize, kind: Kind, device: Device) -> Tensor {
         let width = past + 1;
         let mut mask = vec![0f32; self.pads.len() * width];
         for (b, &pad) in self.pads.iter().enumerate() {
             mask[b * width..][..pad].fill(f32::NEG_INFINITY);
         }
-        Tensor::from_slice(&mask).view([self.pads.len() as i64, 1, width as i64]).to_kind(kind)
+        crate::upload(&mask, device).view([self.pads.len() as i64, 1, width as i64]).to_kind(kind)
     }
 }

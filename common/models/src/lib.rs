@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 pub use config::{Family, TargetConfig};
 /// The host/device crossings, where the model code and its callers have always found them.
-pub use glance_device::{read_back, stage_to_host, upload, upload_tensor};
+pub use glance_device::{host_tensor, read_back, read_f64, read_i64, stage_to_host, upload, upload_tensor};
 pub use text::{LogitRows, MropeLayout, RopeScaling, StepInput, StepOutput, TextConfig, VisionEmbeds};
 
 use crate::kv_cache::{CacheError, KvCache};
@@ -138,7 +138,7 @@ impl TargetModel {
         grids: &[[i64; 3]],
     ) -> Result<VisionEmbeds, ModelError> {
         let vision = self.vision.as_ref().ok_or(ModelError::TextOnly(self.family.model_type()))?;
-        let pixels = pixel_values.to_device(self.device).to_kind(self.kind);
+        let pixels = upload_tensor(pixel_values, self.device).to_kind(self.kind);
         Ok(vision.encode(&pixels, grids))
     }
 
@@ -204,7 +204,7 @@ pub(crate) fn vision_rotary(
 ) -> (Tensor, Tensor) {
     let inv_freq = layers::inverse_frequencies(theta, head_dim / 2, device); // (hd/4)
     let flat: Vec<i64> = coords.iter().flat_map(|c| c.iter().copied()).collect();
-    let pos = Tensor::from_slice(&flat).to_device(device).view([-1, 2]).to_kind(Kind::Float);
+    let pos = upload(&flat, device).view([-1, 2]).to_kind(Kind::Float);
     let freqs = pos.unsqueeze(-1) * inv_freq; // (N, 2, hd/4)
     let n = coords.len() as i64;
     let hw = freqs.view([n, -1]); // (N, hd/2): h freqs then w freqs

@@ -131,7 +131,7 @@ impl VisionModel {
         let device = pixel_values.device();
         let unit = c.spatial_merge_size * c.spatial_merge_size;
         let windows = WindowPartition::new(grids, c);
-        let order = Tensor::from_slice(&windows.window_index).to_device(device);
+        let order = crate::upload(&windows.window_index, device);
         // Window attention needs each window's patches contiguous: reorder whole 2×2 merge units.
         let permute = |t: &Tensor| {
             let n = t.size()[0];
@@ -150,7 +150,7 @@ impl VisionModel {
         }
         let merged = self.merger_norm.forward(&x).view([-1, c.hidden_size * unit]);
         let merged = self.merger_fc2.forward(&self.merger_fc1.forward(&merged).gelu("none"));
-        let restore = Tensor::from_slice(&windows.inverse_index()).to_device(device);
+        let restore = crate::upload(&windows.inverse_index(), device);
         VisionEmbeds { embeds: merged.index_select(0, &restore), deepstack: Vec::new() }
     }
 }

@@ -189,8 +189,8 @@ impl VisionModel {
         }
         let device = self.pos_embed.device();
         let n = coords.len() as i64;
-        let indices = Tensor::from_slice(&indices).to_device(device);
-        let weights = Tensor::from_slice(&weights).to_device(device).view([n, 4, 1]);
+        let indices = crate::upload(&indices, device);
+        let weights = crate::upload(&weights, device).view([n, 4, 1]);
         let gathered = self.pos_embed.index_select(0, &indices).view([n, 4, -1]);
         // f32 like the reference (f32 weights promote the product), cast by the caller.
         (gathered.to_kind(Kind::Float) * weights).sum_dim_intlist(1, false, None::<Kind>)

@@ -128,6 +128,7 @@ pub fn entropies_nats(logits: &Tensor) -> Tensor {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests build and read host tensors freely
 mod tests {
     use super::*;
 

@@ -150,6 +150,7 @@ fn splitmix64(x: u64) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests build and read host tensors freely
 mod tests {
     use super::*;
 

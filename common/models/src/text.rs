@@ -256,7 +256,7 @@ impl TextModel {
         let device = ckpt.device();
         let inv_freq = c.rope_scaling.apply(inverse_frequencies(c.rope_theta, c.head_dim, device));
         let axes = c.mrope.axis_per_pair((c.head_dim / 2) as usize);
-        let axis_per_pair = Tensor::from_slice(&axes).to_device(device);
+        let axis_per_pair = crate::upload(&axes, device);
         Ok(Self {
             embed_tokens,
             layers,

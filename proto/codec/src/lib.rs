@@ -137,6 +137,7 @@ pub fn handshake_response(h: Handshake) -> pb::HandshakeResponse {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests build and read host tensors freely
 mod tests {
     use super::*;
     use tch::Device;
