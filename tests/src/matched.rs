@@ -4,7 +4,7 @@
 //! chain, the budget sweep), each figure beside the paper's.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
@@ -16,24 +16,54 @@ use crate::process::ServiceProcess;
 /// Cells by (prompt set, mode).
 pub type Cells = BTreeMap<(usize, usize), Cell>;
 
+/// The benchmarks' service flags: how each service runs, and the drafters of the matched
+/// comparison.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServiceArgs {
+    /// `f32`, `bf16` or `f16`: both services, the target's top-2 margins at divergences (and
+    /// bench_chat's transformers peer).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// libtorch threads of each service (OMP_NUM_THREADS; also bench_chat's peer). On a 2-core
+    /// machine one each keeps the verifier's and the drafter's thread pools from spinning against
+    /// each other, as if each service had its own device (as in production).
+    #[arg(long, default_value_t = 1)]
+    pub threads_per_service: u32,
+    /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
+    /// depth 3 and 7 and its budget-31 tree, each through a drafter (`--eagle-depth`) and a
+    /// verifier of its own, and a section comparing them with the block head.
+    #[arg(long)]
+    pub eagle3_head: Option<PathBuf>,
+    /// The paper's ablation: adds the block head with its conditioning states zeroed (a tree at
+    /// the law budget), through its own drafter and verifier.
+    #[arg(long)]
+    pub ablate_states: bool,
+}
+
+impl ServiceArgs {
+    /// Whether the run makes the matched comparison (an EAGLE-3 head or the ablation asked for).
+    pub fn compares(&self) -> bool {
+        self.eagle3_head.is_some() || self.ablate_states
+    }
+}
+
 /// What the service pairs of a benchmark run serve.
 #[derive(Clone, Debug)]
 pub struct Setup {
     pub target: PathBuf,
     /// The GLANCE block head (the main pair).
     pub head: PathBuf,
-    /// `f32`, `bf16` or `f16`, for both services.
-    pub dtype: String,
-    /// libtorch threads of each service.
-    pub threads_per_service: u32,
     pub budgets: Vec<u32>,
     /// The tree budget of the blinded head.
     pub law_budget: u32,
-    /// An EAGLE-3 head trained on the same rows: its chains of depth 3 and 7 and its budget-31
-    /// tree, through drafters of their own (`--eagle-depth`).
-    pub eagle3_head: Option<PathBuf>,
-    /// The block head with its conditioning states zeroed (`drafter-svc --zero-states`).
-    pub ablate_states: bool,
+    pub services: ServiceArgs,
+}
+
+impl Setup {
+    pub fn new(target: &Path, head: &Path, budgets: &[u32], law_budget: u32, services: &ServiceArgs) -> Self {
+        let (target, head, budgets) = (target.to_path_buf(), head.to_path_buf(), budgets.to_vec());
+        Self { target, head, budgets, law_budget, services: services.clone() }
+    }
 }
 
 /// A verifier and the drafter behind it.
@@ -45,13 +75,13 @@ pub struct Pair {
 
 impl Pair {
     pub async fn start(setup: &Setup, drafter_args: &[&str]) -> Self {
-        let threads = setup.threads_per_service.to_string();
+        let threads = setup.services.threads_per_service.to_string();
         let env = [("OMP_NUM_THREADS", threads.as_str())];
-        let dtype = ["--dtype", setup.dtype.as_str()];
+        let dtype = ["--dtype", setup.services.dtype.as_str()];
         let drafter = ServiceProcess::drafter_with_env(&[drafter_args, &dtype].concat(), &env);
         let verifier = ServiceProcess::verifier_with_env(
             &setup.target,
-            &["--drafter", &drafter.url, "--max-tree-budget", "256", "--dtype", &setup.dtype],
+            &["--drafter", &drafter.url, "--max-tree-budget", "256", "--dtype", &setup.services.dtype],
             &env,
         );
         let client = GenerationClient::connect(verifier.url.clone()).await.expect("connect");
@@ -66,7 +96,7 @@ pub async fn pairs_and_modes(setup: &Setup) -> (Vec<Pair>, Vec<Mode>) {
     let mut pairs =
         vec![Pair::start(setup, &["--kind", "block-head", "--head", head, "--target", target]).await];
     let mut modes = bench::modes(&setup.budgets);
-    if let Some(eagle) = &setup.eagle3_head {
+    if let Some(eagle) = &setup.services.eagle3_head {
         let eagle = eagle.to_str().expect("utf-8");
         for (depth, chain, tree) in
             [(2usize, "eagle3-chain-3", None), (6, "eagle3-chain-7", Some("eagle3-tree-31"))]
@@ -90,7 +120,7 @@ pub async fn pairs_and_modes(setup: &Setup) -> (Vec<Pair>, Vec<Mode>) {
             }
         }
     }
-    if setup.ablate_states {
+    if setup.services.ablate_states {
         let blind = ["--kind", "block-head", "--head", head, "--target", target, "--zero-states"];
         pairs.push(Pair::start(setup, &blind).await);
         modes.push(Mode {

@@ -36,9 +36,6 @@ struct Args {
     prompts: usize,
     #[arg(long, default_value_t = 128)]
     max_new_tokens: u32,
-    /// `f32` or `bf16`, for both services and the peer.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
     /// Sampling temperature (0: greedy). When sampling, prompt i is drawn with seed i in every
     /// mode, so every mode must return the autoregressive tokens; transformers' greedy peer and
     /// the top-2 margins then do not apply and are skipped.
@@ -52,20 +49,11 @@ struct Args {
     /// The tree budget whose round logs feed the entropy law.
     #[arg(long, default_value_t = 15)]
     law_budget: u32,
-    /// libtorch threads of each service and of the peer (one each: as if each had its own device).
-    #[arg(long, default_value_t = 1)]
-    threads_per_service: u32,
     /// The Python that runs transformers for the peer; `off` skips it.
     #[arg(long, default_value = ".venv/bin/python")]
     peer_python: String,
-    /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
-    /// depth 3 and 7 and its budget-31 tree, each through a drafter and a verifier of its own.
-    #[arg(long)]
-    eagle3_head: Option<PathBuf>,
-    /// The paper's ablation: adds the block head with its conditioning states zeroed (a tree at
-    /// the law budget), through its own drafter and verifier.
-    #[arg(long)]
-    ablate_states: bool,
+    #[command(flatten)]
+    services: matched::ServiceArgs,
     /// Output prefix: PREFIX.json, PREFIX.md and PREFIX-law.png (default bench-chat-DTYPE); while
     /// it runs, PREFIX.partial.* hold the prompts done so far.
     #[arg(long)]
@@ -110,15 +98,15 @@ async fn main() {
     let args = Args::parse();
     let sampling = Sampling { temperature: args.temperature };
     let out = args.out.clone().unwrap_or_else(|| match sampling.is_greedy() {
-        true => format!("bench-chat-{}", args.dtype),
-        false => format!("bench-chat-{}-t{}", args.dtype, args.temperature),
+        true => format!("bench-chat-{}", args.services.dtype),
+        false => format!("bench-chat-{}-t{}", args.services.dtype, args.temperature),
     });
     let corpus =
         drafter_svc::sharegpt::read(&args.data).expect("the ShareGPT file (scripts/setup-real-model.sh)");
     let prompts: Vec<String> = corpus.held_out.into_iter().take(args.prompts + 1).map(|p| p.text).collect();
     assert!(prompts.len() > args.prompts, "only {} held-out prompts", prompts.len() - 1);
     let (warm_up, prompts) = (&prompts[args.prompts], &prompts[..args.prompts]);
-    let setup = setup(&args);
+    let setup = matched::Setup::new(&args.model, &args.head, &args.budgets, args.law_budget, &args.services);
     let (mut pairs, modes) = matched::pairs_and_modes(&setup).await;
     let modes = selected(&args, modes);
     for mode in &modes {
@@ -159,20 +147,6 @@ async fn main() {
     println!("{md}");
 }
 
-/// The service pairs' setup: the block head's, and the matched comparison's when asked for.
-fn setup(args: &Args) -> matched::Setup {
-    matched::Setup {
-        target: args.model.clone(),
-        head: args.head.clone(),
-        dtype: args.dtype.clone(),
-        threads_per_service: args.threads_per_service,
-        budgets: args.budgets.clone(),
-        law_budget: args.law_budget,
-        eagle3_head: args.eagle3_head.clone(),
-        ablate_states: args.ablate_states,
-    }
-}
-
 /// PREFIX.json and PREFIX.md.
 fn write_report(prefix: &str, json: &serde_json::Value, md: &str) {
     std::fs::write(format!("{prefix}.json"), serde_json::to_string_pretty(json).unwrap()).expect("json");
@@ -200,7 +174,7 @@ fn margins(
     if diverged.is_empty() {
         return Vec::new();
     }
-    let kind = if args.dtype == "bf16" { Kind::BFloat16 } else { Kind::Float };
+    let kind = if args.services.dtype == "bf16" { Kind::BFloat16 } else { Kind::Float };
     let model = TargetModel::load(&args.model, kind, Device::Cpu).expect("the model loads");
     let builder = PromptBuilder::from_model_dir(&args.model, PromptOptions::default()).expect("prompts");
     diverged
@@ -221,12 +195,12 @@ fn peer(args: &Args, prompts: &[String]) -> Option<PeerRun> {
     }
     let file = std::env::temp_dir().join(format!("bench-chat-prompts-{}.json", std::process::id()));
     std::fs::write(&file, serde_json::to_string(prompts).unwrap()).ok()?;
-    let dtype = if args.dtype == "bf16" { "bfloat16" } else { "float32" };
+    let dtype = if args.services.dtype == "bf16" { "bfloat16" } else { "float32" };
     let output = std::process::Command::new(&args.peer_python)
         .arg(Path::new("tests/reference/bench_hf.py"))
         .args(["--model", args.model.to_str()?, "--prompts-file", file.to_str()?, "--dtype", dtype])
         .args(["--max-new-tokens", &args.max_new_tokens.to_string()])
-        .args(["--threads", &args.threads_per_service.to_string()])
+        .args(["--threads", &args.services.threads_per_service.to_string()])
         .output();
     std::fs::remove_file(&file).ok();
     match output {
@@ -265,11 +239,11 @@ fn report(
         "{model} ({}, {}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service\n\n\
          | mode | tau | speed-up | ms/token | draft / hop / verify ms per round | rounds accepting depth 1 / 2 / 3 / 4 / 6 / 8 | identical to AR |\n\
          |---|---|---|---|---|---|---|\n",
-        args.dtype,
+        args.services.dtype,
         Sampling { temperature: args.temperature }.label(),
         cells[0].prompts,
         args.max_new_tokens,
-        args.threads_per_service
+        args.services.threads_per_service
     );
     let mut json_modes = Vec::new();
     for (mode, c) in modes.iter().zip(cells) {
@@ -304,17 +278,17 @@ fn report(
     ) {
         eprintln!("bench_chat: no plot: {e}");
     }
-    let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.dtype, &mut md));
+    let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.services.dtype, &mut md));
     md += &bench::divergence_section(divergences);
-    let matched = (setup.eagle3_head.is_some() || setup.ablate_states).then(|| {
+    let matched = setup.services.compares().then(|| {
         let cells: matched::Cells = cells.iter().enumerate().map(|(m, c)| ((0, m), c.clone())).collect();
         let (json, section) = matched::comparison(setup, &["held-out chat"], modes, &cells);
         md += &section;
         json
     });
     let json = json!({
-        "model": model, "dtype": args.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
-        "threads_per_service": args.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
+        "model": model, "dtype": args.services.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
+        "threads_per_service": args.services.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
         "law_mode": law_name, "peer": peer_json, "matched": matched,
         "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),
     });

@@ -50,14 +50,6 @@ struct Args {
     json: PathBuf,
     #[arg(long, default_value = "bench-toyworld.md")]
     markdown: PathBuf,
-    /// libtorch threads of each service (OMP_NUM_THREADS). On a 2-core machine one each keeps the
-    /// verifier's and the drafter's thread pools from spinning against each other, as if each
-    /// service had its own device (as in production).
-    #[arg(long, default_value_t = 1)]
-    threads_per_service: u32,
-    /// `f32`, `bf16` or `f16`, for both services (and the margins at divergences).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
     /// The entropy-law decile plot (of the greedy run, else the first).
     #[arg(long, default_value = "bench-toyworld-law.png")]
     plot: PathBuf,
@@ -65,29 +57,8 @@ struct Args {
     /// for this many tokens with `ignore_eos` (0 skips them).
     #[arg(long, default_value_t = 200)]
     text_tokens: u32,
-    /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
-    /// depth 3 and 7 and its budget-31 tree, each through a drafter (`--eagle-depth`) and a
-    /// verifier of its own, and a section comparing them with the block head.
-    #[arg(long)]
-    eagle3_head: Option<PathBuf>,
-    /// The paper's ablation: adds the block head with its conditioning states zeroed (a tree at
-    /// the law budget), through its own drafter and verifier.
-    #[arg(long)]
-    ablate_states: bool,
-}
-
-/// The service pairs' setup: the block head's, and the matched comparison's when asked for.
-fn setup(args: &Args) -> matched::Setup {
-    matched::Setup {
-        target: args.target.clone(),
-        head: args.head.clone(),
-        dtype: args.dtype.clone(),
-        threads_per_service: args.threads_per_service,
-        budgets: args.budgets.clone(),
-        law_budget: args.law_budget,
-        eagle3_head: args.eagle3_head.clone(),
-        ablate_states: args.ablate_states,
-    }
+    #[command(flatten)]
+    services: matched::ServiceArgs,
 }
 
 /// Text-only prompts for the off-distribution check: the toy world always shows an image, so the
@@ -131,7 +102,7 @@ struct Run {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    let setup = setup(&args);
+    let setup = matched::Setup::new(&args.target, &args.head, &args.budgets, args.law_budget, &args.services);
     let (mut pairs, modes) = matched::pairs_and_modes(&setup).await;
     let warm_up = sample(Split::HeldOut, Task::Doc, args.seed, 10_000);
     for mode in &modes {
@@ -155,7 +126,7 @@ async fn main() {
         json["divergences"] = divergences.iter().map(Divergence::json).collect();
         md += &section;
         md += &bench::divergence_section(&divergences);
-        if args.eagle3_head.is_some() || args.ablate_states {
+        if args.services.compares() {
             let tasks: Vec<&str> = Task::ALL.iter().map(|t| t.name()).collect();
             let (matched_json, matched_md) = matched::comparison(&setup, &tasks, &modes, &run.cells);
             json["matched"] = matched_json;
@@ -164,7 +135,7 @@ async fn main() {
         json_runs.push(json);
     }
     let mut report = json!({
-        "runs": json_runs, "dtype": args.dtype, "prompts_per_task": args.prompts,
+        "runs": json_runs, "dtype": args.services.dtype, "prompts_per_task": args.prompts,
         "max_new_tokens": args.max_new_tokens,
     });
     if let Some((json, text_md)) = text {
@@ -223,7 +194,7 @@ fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Dive
     if diverged.is_empty() {
         return Vec::new();
     }
-    let kind = glance_models::weights::parse_kind(&args.dtype).expect("--dtype: f32, bf16 or f16");
+    let kind = glance_models::weights::parse_kind(&args.services.dtype).expect("--dtype: f32, bf16 or f16");
     let model = TargetModel::load(&args.target, kind, glance_tests::test_device()).expect("the target loads");
     let builder = PromptBuilder::from_model_dir(&args.target, PromptOptions::default()).expect("prompts");
     diverged
