@@ -3,27 +3,31 @@
 # noise; multithreaded CPU kernels are not bit-exact). Both kinds train on ShareGPT's first human
 # turns with the target's own greedy responses (128 tokens, regenerated 32 at a time by batched
 # greedy decoding and cached in regenerated.jsonl beside the head), the same seed and held-out
-# split (24 conversations by id), held-out acceptance every 500 steps. About 25 minutes of
-# regeneration and 40 of training each on 2 CPU cores. Figures: README "A real model".
+# split (24 conversations by id). About 25 minutes of regeneration on 2 CPU cores, then 40 minutes
+# of training for the block head, 15 for the EAGLE-3 head. Figures: README "A real model".
 #
 #   scripts/make-smollm2-head.sh          the committed GLANCE head, models/smollm2-head: a fresh
 #       1-layer DFlash head (final norm starting at 0.1, so the first loss is ~ln V rather than
 #       ~50), a sampled softmax over 4,096 frequent tokens plus the head's own top predictions and
-#       512 random negatives (the full 49,152-way softmax made a step 2-3x dearer).
+#       512 random negatives (the full 49,152-way softmax made a step 2-3x dearer); 2,000 steps of
+#       16 anchors, held-out acceptance every 500.
 #   scripts/make-smollm2-head.sh eagle3   the matched EAGLE-3 head, models/smollm2-eagle3 (not
-#       committed: 32 MB in f32, and the device build's 64 MiB must hold the working tree): taps 1,
+#       committed: 30 MB in f32, and the device build's 64 MiB must hold the working tree): taps 1,
 #       14, 26 of 30 layers, a draft vocabulary of the 4,096 most frequent response tokens (94.9%
-#       of them), EAGLE-3's training-time test (7 unrolled steps, loss weighted 0.8^k).
+#       of them), EAGLE-3's training-time test (7 unrolled steps, loss weighted 0.8^k); 1,200
+#       steps of one whole row each, held-out acceptance every 400.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
 case "${1:-block-head}" in
   block-head)
     OUT=models/smollm2-head
-    KIND=(--kind block-head --loss-vocab 4096 --loss-negatives 512 --output-norm-init 0.1) ;;
+    KIND=(--kind block-head --loss-vocab 4096 --loss-negatives 512 --output-norm-init 0.1
+      --steps "${GLANCE_HEAD_STEPS:-2000}" --eval-every 500 --checkpoint-every 250) ;;
   eagle3)
     OUT=models/smollm2-eagle3
-    KIND=(--kind eagle3 --draft-vocab 4096 --eval-depth 6) ;;
+    KIND=(--kind eagle3 --draft-vocab 4096 --eval-depth 6
+      --steps "${GLANCE_HEAD_STEPS:-1200}" --eval-every 400 --checkpoint-every 400) ;;
   *) echo "usage: $0 [block-head|eagle3]" >&2; exit 2 ;;
 esac
 scripts/setup-real-model.sh
@@ -31,6 +35,5 @@ cargo build --release --workspace --bins --quiet
 rm -rf "$OUT"
 ./target/release/drafter-svc train "${KIND[@]}" --target models/smollm2-135m-instruct --out "$OUT" \
   --data sharegpt:data/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json --seed "${GLANCE_HEAD_SEED:-0}" \
-  --rows "${GLANCE_HEAD_ROWS:-928}" --held-out-rows 24 --max-new-tokens 128 \
-  --steps "${GLANCE_HEAD_STEPS:-2000}" --eval-every 500 --checkpoint-every 250 --regen-batch 32 --threads 2
+  --rows "${GLANCE_HEAD_ROWS:-928}" --held-out-rows 24 --max-new-tokens 128 --regen-batch 32 --threads 2
 rm -rf "$OUT/init" "$OUT/train_state.safetensors" "$OUT/regenerated.jsonl" "$OUT"/tap_states.*.safetensors
