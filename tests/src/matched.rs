@@ -201,12 +201,13 @@ pub fn comparison(
         let mut json_modes = Vec::new();
         for &m in &shown {
             let c = &cells[&(t, m)];
-            let draft_ms = c.round_breakdown()[0];
+            // A mode that verified no drafted round (auto stepping greedily) has no per-round cost.
+            let draft_ms = (c.rounds > 0).then(|| c.round_breakdown()[0]);
             md += &format!(
-                " {:.2} / {} / {:.1} / {:.2}x / {}/{} |",
+                " {:.2} / {} / {} / {:.2}x / {}/{} |",
                 c.tau(),
                 modes[m].draft_passes,
-                draft_ms,
+                draft_ms.map_or("-".to_string(), |ms| format!("{ms:.1}")),
                 ar / c.ms_per_token(),
                 c.lossless,
                 c.prompts

@@ -98,7 +98,11 @@ pub fn read_i64(tensor: &Tensor) -> i64 {
 /// A CPU tensor copied to `device`. On a GPU the copy goes through pinned memory without blocking,
 /// so it is not a host sync: the stream orders it before the kernels that read it (a plain
 /// `to_device` from pageable memory waits for the copy, and with it for every kernel queued before).
+/// A tensor already on a device is not host data: it moves there directly, and nothing is counted.
 pub fn upload_tensor(host: &Tensor, device: Device) -> Tensor {
+    if host.device() != Device::Cpu {
+        return host.to_device(device);
+    }
     count(&UPLOADS);
     match device {
         Device::Cpu => host.shallow_clone(),
