@@ -20,8 +20,8 @@ pub type Cells = BTreeMap<(usize, usize), Cell>;
 /// comparison.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServiceArgs {
-    /// `f32`, `bf16` or `f16`: both services, the target's top-2 margins at divergences (and
-    /// bench_chat's transformers peer).
+    /// `f32`, `bf16` or `f16` (bench_chat: `f32` or `bf16`, the two its transformers peer runs):
+    /// both services, the target's top-2 margins at divergences, and bench_chat's peer.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// libtorch threads of each service (OMP_NUM_THREADS; also bench_chat's peer). On a 2-core

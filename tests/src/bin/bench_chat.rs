@@ -18,7 +18,7 @@ use glance_spec::law::Round;
 use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
 use glance_tests::matched;
 use serde_json::json;
-use tch::{Device, Kind};
+use tch::Device;
 
 #[derive(Parser)]
 #[command(
@@ -174,7 +174,7 @@ fn margins(
     if diverged.is_empty() {
         return Vec::new();
     }
-    let kind = if args.services.dtype == "bf16" { Kind::BFloat16 } else { Kind::Float };
+    let kind = glance_models::weights::parse_kind(&args.services.dtype).expect("--dtype: f32 or bf16");
     let model = TargetModel::load(&args.model, kind, Device::Cpu).expect("the model loads");
     let builder = PromptBuilder::from_model_dir(&args.model, PromptOptions::default()).expect("prompts");
     diverged
