@@ -57,6 +57,8 @@ async fn run_suite(
             let sum = total.auto.get_or_insert_with(Default::default);
             sum.overlapped_steps += auto.overlapped_steps;
             sum.stale_trees += auto.stale_trees;
+            sum.lookup_rounds += auto.lookup_rounds;
+            sum.lookup_accepted_tokens += auto.lookup_accepted_tokens;
         }
     }
     if total.rounds > 0 {
@@ -77,6 +79,9 @@ async fn run_suite(
 async fn every_speculative_mode_equals_greedy_through_both_services() {
     let Some(root) = fixtures() else { return };
     let scratch = scratch("lossless");
+    // Auto verifies prompt-lookup chains in place of the steps it takes without the (random,
+    // never accepted) head: random-weight targets repeat themselves, so some must have matched.
+    let mut lookup_rounds = 0;
     for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-llama", "tiny-qwen3"] {
         let dir = root.join(family);
         let prompts = suite::build(&dir, prompts_per_family(), NEW_TOKENS);
@@ -110,8 +115,14 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             &format!("{family} random head, chain"),
         )
         .await;
-        run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} random head, auto"))
-            .await;
+        let what = format!("{family} random head, auto");
+        let auto =
+            run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await.auto.unwrap_or_default();
+        println!(
+            "{what}: {} prompt-lookup rounds, {} tokens accepted",
+            auto.lookup_rounds, auto.lookup_accepted_tokens
+        );
+        lookup_rounds += auto.lookup_rounds;
         drop((verifier, drafter));
 
         // The EAGLE-3 peer: a random head over every third token of the vocabulary (a reduced
@@ -205,6 +216,7 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         assert!(garbage.rejected_trees > 0, "no malformed tree was refused");
         run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} garbage, auto")).await;
     }
+    assert!(lookup_rounds > 0, "auto never verified a prompt-lookup chain");
 }
 
 /// A round whose accepted run goes past `max_new_tokens` commits only up to the limit: the output

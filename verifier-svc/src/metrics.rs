@@ -35,9 +35,15 @@ pub const AUTO_OVERLAPPED_STEPS: &str = "glance_auto_overlapped_steps_total";
 pub const AUTO_STALE_TREES: &str = "glance_auto_stale_trees_total";
 /// Auto mode: drafted trees of which the policy verified nothing.
 pub const AUTO_DECLINED_TREES: &str = "glance_auto_declined_trees_total";
-/// Auto mode: tree nodes verified, over the verified rounds (`glance_spec_decode_num_drafts_total`
-/// counts the rounds), so the mean tree size is their ratio.
+/// Auto mode: tree nodes verified; over the drafter's verified rounds
+/// (`glance_spec_decode_num_drafts_total` less `glance_auto_lookup_rounds_total`) the mean tree
+/// size.
 pub const AUTO_VERIFIED_NODES: &str = "glance_auto_verified_nodes_total";
+/// Auto mode: rounds that verified a prompt-lookup chain in place of a greedy step (counted among
+/// `glance_spec_decode_num_drafts_total` too).
+pub const AUTO_LOOKUP_ROUNDS: &str = "glance_auto_lookup_rounds_total";
+/// Auto mode: prompt-lookup tokens accepted (counted among the accepted tokens too).
+pub const AUTO_LOOKUP_ACCEPTED: &str = "glance_auto_lookup_accepted_tokens_total";
 /// Auto mode: mean |predicted − committed| tokens per verified round, last auto request.
 pub const AUTO_CALIBRATION_ERROR: &str = "glance_auto_calibration_error";
 /// One drafter round as the verifier sees it: request sent to tree received.
@@ -89,6 +95,8 @@ pub fn register() {
         AUTO_STALE_TREES,
         AUTO_DECLINED_TREES,
         AUTO_VERIFIED_NODES,
+        AUTO_LOOKUP_ROUNDS,
+        AUTO_LOOKUP_ACCEPTED,
         DRAFTER_BYTES,
         DRAFTER_MISMATCHES,
     ] {
@@ -131,6 +139,11 @@ fn describe() {
         "Auto mode: trees that arrived after the overlapped greedy steps had left them."
     );
     describe_counter!(AUTO_VERIFIED_NODES, "Auto mode: tree nodes verified.");
+    describe_counter!(
+        AUTO_LOOKUP_ROUNDS,
+        "Auto mode: rounds that verified a prompt-lookup chain in place of a greedy step."
+    );
+    describe_counter!(AUTO_LOOKUP_ACCEPTED, "Auto mode: prompt-lookup tokens accepted.");
     describe_gauge!(
         AUTO_CALIBRATION_ERROR,
         "Auto mode: mean |predicted - committed| tokens per verified round, last auto request."

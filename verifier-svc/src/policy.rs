@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 
 use glance_spec::law::{self, Form, Round};
-use glance_spec::tree::Tree;
+use glance_spec::tree::{TokenId, Tree};
 
 /// An exponentially weighted mean (the first observation sets it).
 #[derive(Clone, Copy, Debug, Default)]
@@ -170,6 +170,14 @@ impl Calibration {
         out
     }
 
+    /// This calibration as the next request's: the evidence weighed down to a quarter, so that a
+    /// request of another kind (a chart after documents the head keeps missing, with the same
+    /// confident claims) is not judged for long by the last one's acceptance.
+    pub fn for_new_request(&self) -> Self {
+        const CARRIED: f64 = 0.25;
+        Self { depths: self.depths.iter().map(|&(q, a)| (q * CARRIED, a * CARRIED)).collect() }
+    }
+
     /// Records the verified nodes `0..verified` and which of them were accepted.
     pub fn observe(&mut self, tree: &Tree, verified: usize, accepted: &[usize]) {
         for entry in &mut self.depths {
@@ -189,21 +197,39 @@ impl Calibration {
     }
 }
 
-/// The entropy law fitted online on this request's rounds: per-token match probability
-/// p = σ(b0 − b1·H) at root entropy H, so a round is expected to commit 1 + Σ_{ℓ≤L} p^ℓ tokens.
+/// The entropy law fitted online on the rounds seen (a window that spans requests): per-token
+/// match probability p = σ(b0 − b1·H) at root entropy H, so a round is expected to commit
+/// 1 + Σ_{ℓ≤L} p^ℓ tokens. The fit pools every kind of request, and one kind may sit far off the
+/// pooled curve (on the toy world, a document the target reads with certainty while the head
+/// keeps missing: root entropy near 0, as on charts, yet one token in two accepted). So its
+/// predictions are scaled by how the recent rounds compared with them (`bias`, decayed fast
+/// enough to turn within a request).
 #[derive(Clone, Debug, Default)]
 pub struct OnlineLaw {
     rounds: VecDeque<Round>,
     fit: Option<(f64, f64)>,
     since_fit: usize,
+    /// Decayed (Σ accepted, Σ predicted accepted) of the rounds observed under a fit.
+    bias: (f64, f64),
 }
 
 impl OnlineLaw {
     const WINDOW: usize = 256;
     const REFIT_EVERY: usize = 8;
     const MIN_ROUNDS: usize = 8;
+    /// Per observed round: half the weight is gone after 2.4 rounds (a short request's probes
+    /// must be enough to turn it; the back-off, not this scale, smooths single rounds).
+    const BIAS_DECAY: f64 = 0.75;
+    /// Pseudo-tokens that start the scale at 1 (trust the fit until shown otherwise).
+    const BIAS_PRIOR: f64 = 1.0;
 
     pub fn observe(&mut self, entropy: f64, accepted: usize, horizon: usize) {
+        if let Some(predicted) = self.predicted_accepted(entropy, horizon) {
+            self.bias = (
+                self.bias.0 * Self::BIAS_DECAY + accepted as f64,
+                self.bias.1 * Self::BIAS_DECAY + predicted,
+            );
+        }
         if self.rounds.len() == Self::WINDOW {
             self.rounds.pop_front();
         }
@@ -220,10 +246,30 @@ impl OnlineLaw {
         self.fit.is_some()
     }
 
-    /// Expected committed tokens (bonus included) at root entropy `entropy`, once fitted.
-    pub fn expected_commit(&self, entropy: f64, horizon: usize) -> Option<f64> {
+    /// This law as the next request's: the fit kept, the scale's evidence weighed down to a
+    /// quarter, so that a request of another kind turns it with its first round or two while one
+    /// of the same kind starts where the last one ended.
+    pub fn for_new_request(&self) -> Self {
+        const CARRIED: f64 = 0.25;
+        Self { bias: (self.bias.0 * CARRIED, self.bias.1 * CARRIED), ..self.clone() }
+    }
+
+    /// What the recent rounds accepted over what the fit predicted for them (1 with no evidence).
+    pub fn scale(&self) -> f64 {
+        (self.bias.0 + Self::BIAS_PRIOR) / (self.bias.1 + Self::BIAS_PRIOR)
+    }
+
+    /// Accepted tokens the fit alone predicts at `entropy` (bonus excluded).
+    fn predicted_accepted(&self, entropy: f64, horizon: usize) -> Option<f64> {
         let (b0, b1) = self.fit?;
-        Some(1.0 + law::expected_accepted(Form::FiniteHorizon, b0, b1, entropy, horizon))
+        Some(law::expected_accepted(Form::FiniteHorizon, b0, b1, entropy, horizon))
+    }
+
+    /// Expected committed tokens (bonus included) at root entropy `entropy`, once fitted: the
+    /// fit's accepted tokens scaled by the recent rounds, at most the horizon.
+    pub fn expected_commit(&self, entropy: f64, horizon: usize) -> Option<f64> {
+        let accepted = self.predicted_accepted(entropy, horizon)? * self.scale();
+        Some(1.0 + accepted.min(horizon as f64))
     }
 }
 
@@ -244,6 +290,11 @@ pub struct PolicyStats {
     /// Trees that arrived after those steps had left them (their path did not contain the
     /// committed tokens), so nothing of them was verified.
     pub stale_trees: usize,
+    /// Rounds that verified a prompt-lookup chain in place of a greedy step, their verified
+    /// nodes, and the nodes accepted.
+    pub lookup_rounds: usize,
+    pub lookup_nodes: usize,
+    pub lookup_accepted: usize,
 }
 
 impl PolicyStats {
@@ -279,6 +330,11 @@ pub struct RoundPolicy {
     /// Drafter compute and hop per drafted round, seconds.
     pub draft: DraftCost,
     pub calibration: Calibration,
+    /// The same for prompt-lookup chains, one per length of the matched suffix n-gram (the
+    /// chain claims nothing, so each calibrates to its depths' observed acceptance). Carried
+    /// whole from request to request: how often text repeats itself is the workload's, and a
+    /// lookup round that does not pay costs a verify pass each time it is relearnt.
+    lookup: Vec<Calibration>,
     pub law: OnlineLaw,
     /// Committed tokens per drafted, verified round, when the law has no fit yet.
     recent_commit: Ewma,
@@ -314,11 +370,21 @@ impl RoundPolicy {
     }
 
     /// This policy as the next request's starting point: what was learnt (costs, calibration, the
-    /// entropy law, recent acceptance, how long probes have kept failing) kept, the request's stats
-    /// zeroed. A request opens with a probe: it may be one where drafting pays (a chart after a
-    /// page of random words); if the probe does not pay, the carried back-off is long at once.
+    /// entropy law, recent acceptance, how long probes have kept failing) kept, the evidence of
+    /// the calibration and the law's scale weighed down, the request's stats zeroed. A request opens with a probe: it may be one where
+    /// drafting pays (a chart after a page of random words); if the probe does not pay, the
+    /// carried back-off is long at once. The probe never holds up the steps
+    /// ([`RoundPolicy::step_while_drafting`]).
     pub fn for_new_request(&self) -> Self {
-        Self { wait: 0, explore: true, pending: None, stats: PolicyStats::default(), ..self.clone() }
+        Self {
+            wait: 0,
+            explore: true,
+            pending: None,
+            law: self.law.for_new_request(),
+            calibration: self.calibration.for_new_request(),
+            stats: PolicyStats::default(),
+            ..self.clone()
+        }
     }
 
     /// Whether a greedy step should read back the target's entropy at its token: only when the
@@ -337,7 +403,6 @@ impl RoundPolicy {
     pub fn should_draft(&mut self, root_entropy: Option<f64>, horizon: usize, context_rows: usize) -> bool {
         if self.wait > 0 {
             self.wait -= 1;
-            self.stats.greedy_steps += 1;
             // The round after a wait is a probe.
             self.explore = self.wait == 0;
             return false;
@@ -358,13 +423,23 @@ impl RoundPolicy {
             return true;
         }
         self.back_off();
-        self.stats.greedy_steps += 1;
         false
+    }
+
+    /// A greedy step taken because the drafter was not asked (counted where it is taken: a
+    /// prompt-lookup round may take its place).
+    pub fn observe_greedy_step(&mut self) {
+        self.stats.greedy_steps += 1;
     }
 
     /// While a tree is being drafted (sent `elapsed` seconds ago with `context_rows` rows): take a
     /// greedy step rather than wait?
     pub fn step_while_drafting(&self, context_rows: usize, elapsed: f64) -> bool {
+        // A probe is asked for because nobody knows whether trees pay: waiting for it would
+        // charge greedy decoding for the doubt. Stepped past, it costs only what it verifies.
+        if self.explore {
+            return true;
+        }
         match (self.verify.estimate(1), self.draft.estimate(context_rows)) {
             // Pessimistic about the remaining time: a step that runs past the tree's arrival is
             // the one loss stepping can make.
@@ -441,23 +516,7 @@ impl RoundPolicy {
             self.pending = Some(Pending { expected });
             return tree.len();
         }
-        let acceptance = self.calibration.acceptance(tree);
-        let (mut best, mut best_rate, mut best_expected) = (0usize, f64::NEG_INFINITY, 1.0);
-        let mut expected = 1.0;
-        for n in 0..=tree.len() {
-            if n > 0 {
-                expected += acceptance[n - 1];
-            }
-            let Some(cost) = self.verify.estimate(n + 1) else {
-                // Unmeasured costs: verify the whole tree (and learn its cost).
-                (best, best_expected) = (tree.len(), expected + acceptance[n..].iter().sum::<f64>());
-                break;
-            };
-            let rate = expected / cost;
-            if rate > best_rate {
-                (best, best_rate, best_expected) = (n, rate, expected);
-            }
-        }
+        let (best, best_expected) = self.best_prefix(&self.calibration.acceptance(tree));
         tracing::debug!(
             nodes = best,
             of = tree.len(),
@@ -474,6 +533,61 @@ impl RoundPolicy {
             self.pending = Some(Pending { expected: best_expected });
         }
         best
+    }
+
+    /// The best-first prefix of n nodes (of acceptance probabilities `acceptance`) that maximises
+    /// expected committed tokens per second of its verify pass, n = 0 being the greedy step, and
+    /// the tokens it is expected to commit. With a cost not yet measured, the whole tree (so its
+    /// cost gets measured).
+    fn best_prefix(&self, acceptance: &[f64]) -> (usize, f64) {
+        let (mut best, mut best_rate, mut best_expected) = (0usize, f64::NEG_INFINITY, 1.0);
+        let mut expected = 1.0;
+        for n in 0..=acceptance.len() {
+            if n > 0 {
+                expected += acceptance[n - 1];
+            }
+            let Some(cost) = self.verify.estimate(n + 1) else {
+                return (acceptance.len(), expected + acceptance[n..].iter().sum::<f64>());
+            };
+            let rate = expected / cost;
+            if rate > best_rate {
+                (best, best_rate, best_expected) = (n, rate, expected);
+            }
+        }
+        (best, best_expected)
+    }
+
+    /// The chain of a prompt-lookup proposal, each token claiming half its parent's probability
+    /// (a lookup says nothing of its own odds): the prior the calibration starts each depth from,
+    /// so an unproven chain is expected to add about one token, not to be accepted whole.
+    pub fn lookup_chain(tokens: &[TokenId]) -> Tree {
+        let mut chain = Tree::default();
+        for (d, &token) in tokens.iter().enumerate() {
+            chain.push(token, d as i32 - 1, (d + 1) as f64 * 0.5f64.ln());
+        }
+        chain
+    }
+
+    /// A prompt-lookup chain (from [`RoundPolicy::lookup_chain`]) found by a suffix n-gram of
+    /// length `ngram`, in place of a greedy step: how many of its first tokens to verify (0: none, the step is taken). Free to propose,
+    /// so only its verify pass is weighed.
+    pub fn choose_lookup_nodes(&mut self, ngram: usize, chain: &Tree) -> usize {
+        let acceptance = self.lookup.get(ngram).map_or_else(
+            || Calibration::default().acceptance(chain),
+            |calibration| calibration.acceptance(chain),
+        );
+        self.best_prefix(&acceptance).0
+    }
+
+    /// A verified prompt-lookup round: the chain's `verified` first nodes, and the accepted path.
+    pub fn observe_lookup_round(&mut self, ngram: usize, chain: &Tree, verified: usize, path: &[usize]) {
+        if self.lookup.len() <= ngram {
+            self.lookup.resize(ngram + 1, Calibration::default());
+        }
+        self.lookup[ngram].observe(chain, verified, path);
+        self.stats.lookup_rounds += 1;
+        self.stats.lookup_nodes += verified;
+        self.stats.lookup_accepted += path.len();
     }
 
     /// A drafted round's drafter-side time (compute + hop, from sending to the tree's arrival),
@@ -557,6 +671,7 @@ mod tests {
     fn simulate(policy: &mut RoundPolicy, rounds: usize, len: usize, claimed: f64, accepted: usize) {
         for _ in 0..rounds {
             if !policy.should_draft(None, len, 1) {
+                policy.observe_greedy_step();
                 continue;
             }
             policy.observe_draft(1, 0.001);
@@ -653,6 +768,8 @@ mod tests {
                 asked += 1;
                 policy.observe_draft(4, 0.0035);
                 policy.observe_stale_tree(0, Some(0.5), 15);
+            } else {
+                policy.observe_greedy_step();
             }
             assert!(round < 40 || policy.stats.verified_rounds == 0);
         }
@@ -693,6 +810,35 @@ mod tests {
     }
 
     #[test]
+    fn prompt_lookup_chains_are_verified_as_far_as_they_pay() {
+        // A 16-row pass costs 1.5 steps (a memory-bound target).
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_033));
+        let chain = RoundPolicy::lookup_chain(&[5; 8]);
+        // Nothing known yet: the prior (each token half as likely as its parent) verifies a few.
+        let first = policy.choose_lookup_nodes(3, &chain);
+        assert!((1..=4).contains(&first), "{first}");
+        // Trigram matches whose first four tokens are always right: about four verified.
+        for _ in 0..30 {
+            policy.observe_lookup_round(3, &chain, 8, &[0, 1, 2, 3]);
+        }
+        let n = policy.choose_lookup_nodes(3, &chain);
+        assert!((4..=5).contains(&n), "{n}");
+        // Unigram matches that never hold: not verified at all, the step is taken.
+        for _ in 0..30 {
+            policy.observe_lookup_round(1, &chain, 8, &[]);
+        }
+        assert_eq!(policy.choose_lookup_nodes(1, &chain), 0);
+        assert_eq!(policy.stats.lookup_rounds, 60);
+        assert_eq!(policy.stats.lookup_accepted, 120);
+        // On a target where each row costs a step, even the good matches do not pay.
+        let mut steep = RoundPolicy::with_costs(costs(0.001, 0.001));
+        for _ in 0..30 {
+            steep.observe_lookup_round(3, &chain, 8, &[0]);
+        }
+        assert_eq!(steep.choose_lookup_nodes(3, &chain), 0);
+    }
+
+    #[test]
     fn calibration_converges_to_a_known_overclaim() {
         // The drafter claims 0.9 at depth 1; the target accepts depth 1 half the time.
         let mut calibration = Calibration::default();
@@ -719,6 +865,30 @@ mod tests {
         }
         let a = calibration.acceptance(&tree);
         assert!(a[1] <= a[0], "{a:?}");
+    }
+
+    #[test]
+    fn the_law_follows_a_kind_of_request_that_sits_off_its_curve() {
+        // Fitted on sure rounds that accept a lot (charts, say) …
+        let mut law = OnlineLaw::default();
+        for i in 0..64 {
+            let low = i % 2 == 0;
+            law.observe(if low { 0.01 } else { 3.0 }, if low { 12 } else { 0 }, 15);
+        }
+        let fitted = law.expected_commit(0.01, 15).unwrap();
+        assert!(fitted > 8.0, "{fitted}");
+        // … then a document at the same entropy whose rounds accept nothing: within a few rounds
+        // the prediction falls below a greedy step's worth of two tokens.
+        for _ in 0..8 {
+            law.observe(0.01, 0, 15);
+        }
+        let doc = law.expected_commit(0.01, 15).unwrap();
+        assert!(doc < 2.0, "{doc} (scale {})", law.scale());
+        // And back: charts again restore it.
+        for _ in 0..6 {
+            law.observe(0.01, 12, 15);
+        }
+        assert!(law.expected_commit(0.01, 15).unwrap() > 8.0);
     }
 
     #[test]

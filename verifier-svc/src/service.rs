@@ -568,6 +568,9 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
             calibration_error: p.calibration_error(),
             overlapped_steps: p.overlapped_steps as u32,
             stale_trees: p.stale_trees as u32,
+            lookup_rounds: p.lookup_rounds as u32,
+            lookup_verified_nodes: p.lookup_nodes as u32,
+            lookup_accepted_tokens: p.lookup_accepted as u32,
         }),
     })
 }

@@ -18,6 +18,7 @@ use glance_models::kv_cache::KvCache;
 use glance_models::readout::{read_rows, Reads, RowsRead, TokenLogprob};
 use glance_models::sampling::{Draw, Sampling};
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
+use glance_spec::prompt_lookup::PromptLookup;
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
 use tch::{Kind, Tensor};
 
@@ -287,6 +288,7 @@ pub fn speculative_generate(
     // Opened before the prefill: a remote drafter's stream opens while the target prefills.
     let mut drafting =
         Drafting { session: provider.open(), in_flight: None, retry: Retry::default(), decided: None };
+    let mut lookup = Lookup::new(spec.budget.min(max_depth));
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
@@ -334,12 +336,7 @@ pub fn speculative_generate(
                 s.receive(if overlap { Duration::ZERO } else { Duration::MAX })
             };
             match reply {
-                Ok(None) => {
-                    greedy = Greedy::WhileDrafting;
-                    if let Some(p) = policy.as_deref_mut() {
-                        p.observe_overlapped_step();
-                    }
-                }
+                Ok(None) => greedy = Greedy::WhileDrafting,
                 Ok(Some(drafted)) => {
                     idle = waited.elapsed();
                     let flight = drafting.in_flight.take().expect("a round in flight");
@@ -348,7 +345,7 @@ pub fn speculative_generate(
                         p.observe_draft(flight.context_rows, drafted.round_trip.as_secs_f64());
                     }
                     if valid(&drafted.tree, limits, &mut stats) {
-                        greedy = Greedy::Declined;
+                        greedy = Greedy::TreeUnused;
                         let path = committed_since(&history, flight.root_position, root);
                         let stepped =
                             Stepped { path: &path, root_entropy: flight.root_entropy, horizon: max_depth };
@@ -357,6 +354,14 @@ pub fn speculative_generate(
                 }
                 Err(e) => drafting.fail(&mut stats, e),
             }
+        }
+        // A step auto takes without asking the drafter may verify a prompt-lookup chain instead.
+        // Not while a tree is being drafted: the policy asked for it as the better bet, and
+        // tokens committed past its root by lookups shorten what it can still add.
+        let mut looked_up = None;
+        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
+            looked_up = lookup.propose(&history, root, p);
+            round = looked_up.as_ref().map(|(_, chain)| chain.clone());
         }
         let verify_started = Instant::now();
         let verify_span = tracing::info_span!("verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
@@ -387,12 +392,23 @@ pub fn speculative_generate(
                 )?;
                 // committed = [root, accepted…, bonus]: this round committed all but the root.
                 let accepted = verified.path.len();
-                if let Some(root_entropy) = verified.root_entropy {
-                    stats.round_logs.push(RoundLog { root_entropy, accepted, tree_size: tree.tokens.len() });
-                }
-                if let Some(p) = policy.as_deref_mut() {
-                    let idle = idle.as_secs_f64();
-                    p.observe_round(&tree, tree.len(), &verified.path, root_entropy, max_depth, idle);
+                if let Some((ngram, _)) = looked_up.take() {
+                    if let Some(p) = policy.as_deref_mut() {
+                        p.observe_lookup_round(ngram, &tree, tree.len(), &verified.path);
+                    }
+                } else {
+                    // The entropy law is the drafter's: lookup rounds stay out of its log.
+                    if let Some(root_entropy) = verified.root_entropy {
+                        stats.round_logs.push(RoundLog {
+                            root_entropy,
+                            accepted,
+                            tree_size: tree.tokens.len(),
+                        });
+                    }
+                    if let Some(p) = policy.as_deref_mut() {
+                        let idle = idle.as_secs_f64();
+                        p.observe_round(&tree, tree.len(), &verified.path, root_entropy, max_depth, idle);
+                    }
                 }
                 stats.rounds += 1;
                 stats.committed_in_rounds += accepted + 1;
@@ -402,8 +418,11 @@ pub fn speculative_generate(
                 (verified.committed, verified.logprobs, verified.tap_rows, verified.next_entropy)
             }
             None => {
-                if greedy == Greedy::NoDrafter {
-                    stats.fallback_rounds += 1;
+                match (greedy, policy.as_deref_mut()) {
+                    (Greedy::NoDrafter, _) => stats.fallback_rounds += 1,
+                    (Greedy::NotAsked, Some(p)) => p.observe_greedy_step(),
+                    (Greedy::WhileDrafting, Some(p)) => p.observe_overlapped_step(),
+                    _ => {}
                 }
                 let entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
                 let reads = Reads { entropy, logprobs: params.logprobs };
@@ -564,8 +583,10 @@ struct InFlight {
 enum Greedy {
     /// No drafter answered (a fallback round).
     NoDrafter,
-    /// The policy did not ask for a tree, or did not verify the one it got.
-    Declined,
+    /// The policy did not ask for a tree.
+    NotAsked,
+    /// A tree arrived and the policy verified none of it (declined, or the steps left it).
+    TreeUnused,
     /// The drafter is still working on a tree (auto steps meanwhile).
     WhileDrafting,
 }
@@ -658,7 +679,7 @@ impl Drafting {
                     }
                     Greedy::NoDrafter
                 } else {
-                    Greedy::Declined
+                    Greedy::NotAsked
                 }
             }
         };
@@ -690,6 +711,36 @@ impl Drafting {
                 None => self.retry.failed(),
             }
         }
+    }
+}
+
+/// Auto's second source of drafts: prompt lookup over the committed history, free to propose (no
+/// drafter, no states), so a greedy step auto takes without asking the drafter may verify the
+/// chain instead when the policy expects that to pay more. On chat, where answers
+/// repeat the question's words, it is what pays most where the head is weak.
+struct Lookup {
+    lookup: PromptLookup,
+    /// The history's tokens as drafts are spelled, kept in step with it (the root pushed last
+    /// while searching).
+    tokens: Vec<TokenId>,
+}
+
+impl Lookup {
+    fn new(max_draft: usize) -> Self {
+        Self { lookup: PromptLookup::new(max_draft), tokens: Vec::new() }
+    }
+
+    /// The n-gram length that matched and the chain to verify in place of a step, if any pays.
+    fn propose(&mut self, history: &History, root: i64, policy: &mut RoundPolicy) -> Option<(usize, Tree)> {
+        let synced = self.tokens.len();
+        self.tokens.extend(history.tokens[synced..history.len].iter().map(|&t| t as TokenId));
+        self.tokens.push(root as TokenId);
+        let found =
+            self.lookup.find(&self.tokens).map(|(ngram, tokens)| (ngram, RoundPolicy::lookup_chain(tokens)));
+        self.tokens.pop();
+        let (ngram, mut chain) = found?;
+        chain.truncate(policy.choose_lookup_nodes(ngram, &chain));
+        (!chain.is_empty()).then_some((ngram, chain))
     }
 }
 

@@ -288,6 +288,10 @@ fn print_summary(response: &pb::GenerateResponse, started: Instant) {
                 auto.mean_verified_nodes,
                 auto.calibration_error
             );
+            println!(
+                "-- auto: {} prompt-lookup rounds in place of steps, {} of their {} tokens accepted",
+                auto.lookup_rounds, auto.lookup_accepted_tokens, auto.lookup_verified_nodes
+            );
         }
     }
 }

@@ -26,14 +26,17 @@ impl PromptLookup {
     /// and proposes the tokens that followed it as a chain (log-probabilities 0). Empty when
     /// nothing matches.
     pub fn propose(&self, history: &[TokenId]) -> Tree {
+        self.find(history).map(|(_, tokens)| Tree::chain(tokens)).unwrap_or_default()
+    }
+
+    /// What [`PromptLookup::propose`] proposes, as the length of the suffix n-gram that matched
+    /// (a longer match is a better guess: the auto policy calibrates each length apart) and the
+    /// proposed tokens; `None` when nothing matches.
+    pub fn find<'h>(&self, history: &'h [TokenId]) -> Option<(usize, &'h [TokenId])> {
         if self.max_draft == 0 {
-            return Tree::default();
+            return None;
         }
-        (1..=self.max_ngram)
-            .rev()
-            .find_map(|n| self.continuation(history, n))
-            .map(Tree::chain)
-            .unwrap_or_default()
+        (1..=self.max_ngram).rev().find_map(|n| self.continuation(history, n).map(|tokens| (n, tokens)))
     }
 
     /// The tokens after the most recent earlier occurrence of the last `n` tokens.
@@ -142,6 +145,8 @@ mod tests {
         assert!(pld.propose(&[5]).is_empty());
         assert!(pld.propose(&[1, 2, 3, 4]).is_empty());
         assert!(PromptLookup::new(0).propose(&[1, 1, 1]).is_empty());
+        assert_eq!(pld.find(&[1, 2, 9, 1, 2]), Some((2, &[9, 1, 2][..])));
+        assert_eq!(pld.find(&[1, 2, 3, 4]), None);
     }
 
     #[test]
