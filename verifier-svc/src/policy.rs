@@ -1,6 +1,7 @@
 //! The auto round policy (`DECODING_MODE_AUTO`; the arithmetic is `shared/research/round-policy.md`):
 //! before each round, whether to ask the drafter at all; once it has answered, how many of the
-//! tree's best-first nodes to verify. Both choices maximise expected committed tokens per second,
+//! tree's best-first nodes to verify; and for a greedy step taken without the drafter, how much
+//! of a prompt-lookup chain to verify instead. All maximise expected committed tokens per second,
 //! from costs the server measures on itself and acceptance probabilities calibrated online, so the
 //! same binary verifies small trees where a wide pass is dear (one CPU core, a tiny in-cache
 //! target) and wide ones where it is nearly free (a memory-bound target, a GPU).

@@ -358,10 +358,11 @@ pub fn speculative_generate(
         // A step auto takes without asking the drafter may verify a prompt-lookup chain instead.
         // Not while a tree is being drafted: the policy asked for it as the better bet, and
         // tokens committed past its root by lookups shorten what it can still add.
-        let mut looked_up = None;
+        let mut lookup_ngram = None;
         if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
-            looked_up = lookup.propose(&history, root, p);
-            round = looked_up.as_ref().map(|(_, chain)| chain.clone());
+            if let Some((ngram, chain)) = lookup.propose(&history, root, p) {
+                (lookup_ngram, round) = (Some(ngram), Some(chain));
+            }
         }
         let verify_started = Instant::now();
         let verify_span = tracing::info_span!("verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
@@ -392,7 +393,7 @@ pub fn speculative_generate(
                 )?;
                 // committed = [root, accepted…, bonus]: this round committed all but the root.
                 let accepted = verified.path.len();
-                if let Some((ngram, _)) = looked_up.take() {
+                if let Some(ngram) = lookup_ngram {
                     if let Some(p) = policy.as_deref_mut() {
                         p.observe_lookup_round(ngram, &tree, tree.len(), &verified.path);
                     }

@@ -54,7 +54,7 @@ enum Command {
     /// Like generate, printing text as it streams in.
     Stream(GenerateArgs),
     /// The same request autoregressively and in --mode; prints the answer, tau and the speed-up.
-    Compare(GenerateArgs),
+    Compare(CompareArgs),
     /// Prints the served model and its limits.
     Info,
     /// Asks grpc.health.v1 (no API key needed): exits 0 when SERVING, 1 otherwise. A container
@@ -65,6 +65,16 @@ enum Command {
         #[arg(long, default_value = "")]
         service: String,
     },
+}
+
+#[derive(clap::Args)]
+struct CompareArgs {
+    #[command(flatten)]
+    request: GenerateArgs,
+    /// Times each decoding runs, alternating; the speed-up is the ratio of the median ms/token (one
+    /// short request's time on a shared machine varies by tens of percent).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeats: u32,
 }
 
 #[derive(clap::Args, Clone)]
@@ -193,16 +203,25 @@ async fn stream(client: &mut Client, args: &GenerateArgs) -> Result<(), Error> {
 
 /// Autoregressive first, then the requested mode (auto by default): the speed-up is the ratio of
 /// decode milliseconds per token, both measured by the server on this request.
-async fn compare(client: &mut Client, args: &GenerateArgs) -> Result<(), Error> {
+async fn compare(client: &mut Client, compare: &CompareArgs) -> Result<(), Error> {
+    let args = &compare.request;
     let mode = if matches!(args.mode, Mode::Default | Mode::Autoregressive) { Mode::Auto } else { args.mode };
-    let started = Instant::now();
-    let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();
-    // Sampled: the same seed for both, so the same tokens are expected.
-    let args = &GenerateArgs { seed: args.seed.or(ar.seed), ..args.clone() };
-    let spec = client.generate(build_request(args, mode)?).await?.into_inner();
+    let (mut ar_times, mut spec_times, mut identical) = (Vec::new(), Vec::new(), true);
+    let mut last = None;
+    for _ in 0..compare.repeats {
+        let started = Instant::now();
+        let ar = client.generate(build_request(args, Mode::Autoregressive)?).await?.into_inner();
+        // Sampled: the same seed for both, so the same tokens are expected.
+        let args = &GenerateArgs { seed: args.seed.or(ar.seed), ..args.clone() };
+        let spec = client.generate(build_request(args, mode)?).await?.into_inner();
+        identical &= ar.token_ids == spec.token_ids;
+        ar_times.push(decode_ms_per_token(&ar));
+        spec_times.push(decode_ms_per_token(&spec));
+        last = Some((ar, spec, started));
+    }
+    let Some((ar, spec, started)) = last else { return Err("--repeats must be at least 1".into()) };
     println!("{}", spec.text);
     print_summary(&spec, started);
-    let identical = ar.token_ids == spec.token_ids;
     if identical && !ar.logprobs.is_empty() {
         let largest = ar.logprobs.iter().zip(&spec.logprobs).map(|(a, s)| (a.logprob - s.logprob).abs());
         println!(
@@ -210,17 +229,24 @@ async fn compare(client: &mut Client, args: &GenerateArgs) -> Result<(), Error> 
             largest.fold(0.0, f32::max)
         );
     }
-    let (ar_ms, spec_ms) = (decode_ms_per_token(&ar), decode_ms_per_token(&spec));
+    let (ar_ms, spec_ms) = (median(&mut ar_times), median(&mut spec_times));
     let tau = spec.speculative.map(|s| s.mean_accepted_length).unwrap_or(1.0);
     println!(
-        "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token = speed-up {:.2}x | tokens identical to autoregressive: {identical}",
+        "-- {}: tau {tau:.2} | {spec_ms:.2} ms/token vs autoregressive {ar_ms:.2} ms/token{} = speed-up {:.2}x | tokens identical to autoregressive: {identical}",
         pb::DecodingMode::from(mode).as_str_name(),
+        if compare.repeats > 1 { format!(" (medians of {} alternated runs)", compare.repeats) } else { String::new() },
         ar_ms / spec_ms
     );
     if !identical {
         return Err("speculative output differs from autoregressive decoding".into());
     }
     Ok(())
+}
+
+/// The median of `values` (the upper one of an even count).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 fn build_request(args: &GenerateArgs, mode: Mode) -> Result<pb::GenerateRequest, Error> {
