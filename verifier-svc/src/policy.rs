@@ -331,8 +331,8 @@ pub struct RoundPolicy {
     /// Drafter compute and hop per drafted round, seconds.
     pub draft: DraftCost,
     pub calibration: Calibration,
-    /// The same for prompt-lookup chains, one per length of the matched suffix n-gram (the
-    /// chain claims nothing, so each calibrates to its depths' observed acceptance). Carried
+    /// The same for prompt-lookup chains, indexed by the length of the matched suffix n-gram
+    /// (from the prior of [`RoundPolicy::lookup_chain`] to each depth's observed acceptance). Carried
     /// whole from request to request: how often text repeats itself is the workload's, and a
     /// lookup round that does not pay costs a verify pass each time it is relearnt.
     lookup: Vec<Calibration>,
@@ -372,10 +372,10 @@ impl RoundPolicy {
 
     /// This policy as the next request's starting point: what was learnt (costs, calibration, the
     /// entropy law, recent acceptance, how long probes have kept failing) kept, the evidence of
-    /// the calibration and the law's scale weighed down, the request's stats zeroed. A request opens with a probe: it may be one where
-    /// drafting pays (a chart after a page of random words); if the probe does not pay, the
-    /// carried back-off is long at once. The probe never holds up the steps
-    /// ([`RoundPolicy::step_while_drafting`]).
+    /// the calibration and the law's scale weighed down, the request's stats zeroed. A request
+    /// opens with a probe: it may be one where drafting pays (a chart after a page of random
+    /// words); if the probe does not pay, the carried back-off is long at once. The probe never
+    /// holds up the steps ([`RoundPolicy::step_while_drafting`]).
     pub fn for_new_request(&self) -> Self {
         Self {
             wait: 0,
@@ -570,9 +570,9 @@ impl RoundPolicy {
     }
 
     /// A prompt-lookup chain (from [`RoundPolicy::lookup_chain`]) found by a suffix n-gram of
-    /// length `ngram`, in place of a greedy step: how many of its first tokens to verify (0: none, the step is taken). Free to propose,
-    /// so only its verify pass is weighed.
-    pub fn choose_lookup_nodes(&mut self, ngram: usize, chain: &Tree) -> usize {
+    /// length `ngram`, in place of a greedy step: how many of its first tokens to verify (0: none,
+    /// the step is taken). Free to propose, so only its verify pass is weighed.
+    pub fn choose_lookup_nodes(&self, ngram: usize, chain: &Tree) -> usize {
         let acceptance = self.lookup.get(ngram).map_or_else(
             || Calibration::default().acceptance(chain),
             |calibration| calibration.acceptance(chain),

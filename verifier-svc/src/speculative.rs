@@ -359,7 +359,7 @@ pub fn speculative_generate(
         // Not while a tree is being drafted: the policy asked for it as the better bet, and
         // tokens committed past its root by lookups shorten what it can still add.
         let mut lookup_ngram = None;
-        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
+        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref(), greedy) {
             if let Some((ngram, chain)) = lookup.propose(&history, root, p) {
                 (lookup_ngram, round) = (Some(ngram), Some(chain));
             }
@@ -732,7 +732,7 @@ impl Lookup {
     }
 
     /// The n-gram length that matched and the chain to verify in place of a step, if any pays.
-    fn propose(&mut self, history: &History, root: i64, policy: &mut RoundPolicy) -> Option<(usize, Tree)> {
+    fn propose(&mut self, history: &History, root: i64, policy: &RoundPolicy) -> Option<(usize, Tree)> {
         let synced = self.tokens.len();
         self.tokens.extend(history.tokens[synced..history.len].iter().map(|&t| t as TokenId));
         self.tokens.push(root as TokenId);
