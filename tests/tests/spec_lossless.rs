@@ -193,8 +193,17 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         let slow = run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await;
         let overlap = slow.auto.unwrap_or_default();
         assert!(overlap.overlapped_steps > 0, "{what}: no greedy step while drafting: {overlap:?}");
-        assert!(slow.rounds > 0, "{what}: no subtree verified: {overlap:?}");
-        assert!(slow.mean_accepted_length > 2.0, "{what}: tau {}", slow.mean_accepted_length);
+        // Whether a tree is still ahead of the steps when it arrives depends on how fast a step
+        // is against the stall: on a fast machine the steps pass its whole depth (a stale tree).
+        // Auto's prompt-lookup rounds are among the rounds; the oracle's own are the rest.
+        let oracle_rounds = slow.rounds - overlap.lookup_rounds;
+        assert!(oracle_rounds + overlap.stale_trees > 0, "{what}: no tree arrived: {overlap:?}");
+        if oracle_rounds > 0 {
+            let lookup_committed = overlap.lookup_rounds + overlap.lookup_accepted_tokens;
+            let oracle_tau = (slow.mean_accepted_length * slow.rounds as f64 - lookup_committed as f64)
+                / oracle_rounds as f64;
+            assert!(oracle_tau > 2.0, "{what}: the oracle's subtrees committed {oracle_tau} a round");
+        }
         drop((verifier, drafter));
 
         let drafter = ServiceProcess::drafter(&[
