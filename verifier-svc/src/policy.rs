@@ -14,6 +14,11 @@ use std::collections::VecDeque;
 use glance_spec::law::{self, Form, Round};
 use glance_spec::tree::{TokenId, Tree};
 
+/// The weight a request's acceptance evidence keeps in the next request (the calibration's and
+/// the law's scale): enough to start where the last one ended, little enough that a request of
+/// another kind turns it within a round or two.
+const CARRIED_EVIDENCE: f64 = 0.25;
+
 /// An exponentially weighted mean (the first observation sets it).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Ewma {
@@ -175,8 +180,9 @@ impl Calibration {
     /// request of another kind (a chart after documents the head keeps missing, with the same
     /// confident claims) is not judged for long by the last one's acceptance.
     pub fn for_new_request(&self) -> Self {
-        const CARRIED: f64 = 0.25;
-        Self { depths: self.depths.iter().map(|&(q, a)| (q * CARRIED, a * CARRIED)).collect() }
+        Self {
+            depths: self.depths.iter().map(|&(q, a)| (q * CARRIED_EVIDENCE, a * CARRIED_EVIDENCE)).collect(),
+        }
     }
 
     /// Records the verified nodes `0..verified` and which of them were accepted.
@@ -251,8 +257,7 @@ impl OnlineLaw {
     /// quarter, so that a request of another kind turns it with its first round or two while one
     /// of the same kind starts where the last one ended.
     pub fn for_new_request(&self) -> Self {
-        const CARRIED: f64 = 0.25;
-        Self { bias: (self.bias.0 * CARRIED, self.bias.1 * CARRIED), ..self.clone() }
+        Self { bias: (self.bias.0 * CARRIED_EVIDENCE, self.bias.1 * CARRIED_EVIDENCE), ..self.clone() }
     }
 
     /// What the recent rounds accepted over what the fit predicted for them (1 with no evidence).
