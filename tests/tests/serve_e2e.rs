@@ -375,6 +375,53 @@ fn the_model_is_the_one_the_deployment_names() {
     assert!(stderr.contains("--expect-target-fingerprint"), "{stderr}");
 }
 
+/// The verifier retries a drafter that does not fit in the background; its API keeps answering
+/// meanwhile, even on a single runtime worker (a reconnection attempt once held the drafter's
+/// state lock while it waited for that worker, and `model_info` waited for the lock: a hang).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_answers_while_a_mismatched_drafter_is_retried() {
+    let Some(root) = fixtures() else { return };
+    let other = root.join("tiny-qwen2.5-vl");
+    let head = std::env::temp_dir().join(format!("glance-retried-head-{}", std::process::id()));
+    let spec = drafter_svc::init::HeadSpec {
+        tap_layers: Some(vec![0, 1, 2]),
+        ..drafter_svc::init::HeadSpec::new(1, 16, 1)
+    };
+    drafter_svc::init::write_random_head(&other, &head, &spec).unwrap();
+    let drafter = ServiceProcess::block_head_drafter(&head, &other, &[]);
+    let model = root.join("tiny-qwen3-vl");
+    let verifier = ServiceProcess::verifier_with_env(
+        &model,
+        &["--drafter", &drafter.url],
+        &[("TOKIO_WORKER_THREADS", "1")],
+    );
+    let mut client = connect(&verifier.url).await;
+    // Attempts come at start-up and then every 0.25-2 s; asking every few ms for 4.5 s lands
+    // calls inside several of them.
+    let until = Instant::now() + Duration::from_millis(4500);
+    let mut answered = 0;
+    while Instant::now() < until {
+        let info = tokio::time::timeout(Duration::from_secs(10), client.model_info(pb::ModelInfoRequest {}))
+            .await
+            .expect("model_info hung while the drafter was retried")
+            .unwrap()
+            .into_inner();
+        assert!(!info.drafter_connected);
+        answered += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let case = Case::load(&model, "one_image");
+    let mut auto = request(glance_tests::suite::to_proto(&case.chat_messages()), 8);
+    auto.decoding = Some(pb::DecodingOptions { ignore_eos: true, ..Default::default() });
+    let response = tokio::time::timeout(Duration::from_secs(60), client.generate(auto))
+        .await
+        .expect("generate hung while the drafter was retried")
+        .expect("served without the drafter")
+        .into_inner();
+    assert_eq!(response.token_ids, case.greedy_tokens[..8].iter().map(|&t| t as u32).collect::<Vec<_>>());
+    assert!(answered > 100, "{answered} answers in 4.5 s");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drafter_built_for_another_target_is_left_out_and_requests_decode_without_it() {
     let Some(root) = fixtures() else { return };

@@ -101,6 +101,16 @@ struct ConnectionState {
 
 const MIN_BACKOFF: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How long one reconnection attempt (resolve, handshake every pod) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl ConnectionState {
+    /// After a failed attempt: the next one waits, twice as long each time up to the maximum.
+    fn back_off(&mut self) {
+        self.next_attempt = Instant::now() + self.backoff;
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+    }
+}
 
 impl RemoteDrafter {
     pub fn new(
@@ -142,18 +152,26 @@ impl RemoteDrafter {
 
     /// The current client, reconnecting when the backoff allows. Never blocks long: a failed
     /// attempt pushes the next one further out.
+    ///
+    /// The state lock is not held across the attempt: the attempt's I/O and timers run on the
+    /// runtime's workers, and a worker that locks the state (`model_info` asks `is_connected`)
+    /// would wait for an attempt that waits for it, with a single worker for ever.
     fn client(&self) -> Option<(DrafterClient<Channel>, DrafterInfo)> {
-        let mut state = self.state.lock().expect("drafter state lock");
-        if let Some(client) = &state.client {
-            return Some(client.clone());
-        }
-        if Instant::now() < state.next_attempt {
-            return None;
+        {
+            let mut state = self.state.lock().expect("drafter state lock");
+            if let Some(client) = &state.client {
+                return Some(client.clone());
+            }
+            if Instant::now() < state.next_attempt {
+                return None;
+            }
+            // One attempt at a time: meanwhile the other callers see a backoff.
+            state.next_attempt = Instant::now() + CONNECT_TIMEOUT + state.backoff;
         }
         let attempt = self.runtime.block_on(async {
-            tokio::time::timeout(Duration::from_secs(2), connect(&self.url, self.tls.as_ref(), &self.target))
-                .await
+            tokio::time::timeout(CONNECT_TIMEOUT, connect(&self.url, self.tls.as_ref(), &self.target)).await
         });
+        let mut state = self.state.lock().expect("drafter state lock");
         match attempt {
             Ok(Ok(pool)) => {
                 tracing::info!(url = %self.url, "drafter connected");
@@ -162,19 +180,18 @@ impl RemoteDrafter {
                 }
                 let connected = (pool.client, pool.info);
                 state.backoff = MIN_BACKOFF;
+                state.next_attempt = Instant::now();
                 state.client = Some(connected.clone());
                 state.known = Some(connected.1.clone());
                 Some(connected)
             }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "drafter not available");
-                state.next_attempt = Instant::now() + state.backoff;
-                state.backoff = (state.backoff * 2).min(MAX_BACKOFF);
+                state.back_off();
                 None
             }
             Err(_) => {
-                state.next_attempt = Instant::now() + state.backoff;
-                state.backoff = (state.backoff * 2).min(MAX_BACKOFF);
+                state.back_off();
                 None
             }
         }
