@@ -301,6 +301,10 @@ pub struct PolicyStats {
     pub lookup_rounds: usize,
     pub lookup_nodes: usize,
     pub lookup_accepted: usize,
+    /// At the request's end: what the policy took a greedy step alone and one taken while the
+    /// drafter works to cost, seconds (0 where not measured).
+    pub step_secs: f64,
+    pub overlapped_step_secs: f64,
 }
 
 impl PolicyStats {
@@ -320,6 +324,13 @@ impl PolicyStats {
             self.abs_error / self.verified_rounds as f64
         }
     }
+}
+
+/// What a verified round's cycle holds beyond the round itself: tokens, and seconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Cycle {
+    tokens: f64,
+    secs: f64,
 }
 
 /// What the last verified round expected, to be compared with what it committed.
@@ -349,6 +360,13 @@ pub struct RoundPolicy {
     /// Whether a tree's first node was accepted (1) or not (0, a stale tree included): the
     /// chance a greedy step taken while drafting leaves the tree.
     first_accepted: Ewma,
+    /// A greedy step taken while the drafter works, seconds. Where the two services share a
+    /// machine's cores, caches or memory bandwidth it costs more than a step alone (`verify`'s
+    /// one-row bucket), and the steps a draft overlaps are not free: the policy charges the
+    /// difference to the round.
+    overlapped_step: Ewma,
+    /// Greedy steps taken while the tree now in flight was drafted.
+    steps_in_flight: usize,
     /// Greedy steps left before the next probe, and the current back-off exponent.
     wait: u32,
     streak: u32,
@@ -386,6 +404,7 @@ impl RoundPolicy {
             wait: 0,
             explore: true,
             pending: None,
+            steps_in_flight: 0,
             law: self.law.for_new_request(),
             calibration: self.calibration.for_new_request(),
             stats: PolicyStats::default(),
@@ -424,12 +443,29 @@ impl RoundPolicy {
             .or(self.recent_commit.get())
             .unwrap_or(f64::INFINITY);
         let Some(verify) = self.typical_verify() else { return true };
-        let (steps, idle) = self.overlap(draft, step);
-        if (expected - steps as f64) / (idle + verify) >= 1.0 / step {
+        let overlapped = self.overlapped_step_cost(step);
+        let (steps, idle) = self.overlap(draft, overlapped);
+        // The round's tokens (the overlapped steps' among them, when the tree holds them) over its
+        // time, against greedy decoding's rate.
+        if expected / (steps as f64 * overlapped + idle + verify) >= 1.0 / step {
             return true;
         }
         self.back_off();
         false
+    }
+
+    /// What a greedy step costs while the drafter works: as measured, else a step's `step`.
+    fn overlapped_step_cost(&self, step: f64) -> f64 {
+        self.overlapped_step.get().unwrap_or(step)
+    }
+
+    /// The request's stats, with the step costs the policy ended it with.
+    pub fn final_stats(&self) -> PolicyStats {
+        PolicyStats {
+            step_secs: self.verify.estimate(1).unwrap_or(0.0),
+            overlapped_step_secs: self.overlapped_step.get().unwrap_or(0.0),
+            ..self.stats
+        }
     }
 
     /// A greedy step taken because the drafter was not asked (counted where it is taken: a
@@ -449,13 +485,16 @@ impl RoundPolicy {
         match (self.verify.estimate(1), self.draft.estimate(context_rows)) {
             // Pessimistic about the remaining time: a step that runs past the tree's arrival is
             // the one loss stepping can make.
-            (Some(step), Some(draft)) => self.steps_at(draft - self.draft.error() - elapsed, step),
+            (Some(step), Some(draft)) => {
+                self.steps_at(draft - self.draft.error() - elapsed, self.overlapped_step_cost(step))
+            }
             // Nothing measured yet: a step is the safe guess.
             _ => true,
         }
     }
 
-    /// Whether to step with `remaining` seconds of draft time expected. A step whose token the
+    /// Whether to step (a step costing `step` while the drafter works) with `remaining` seconds of
+    /// draft time expected. A step whose token the
     /// tree would have accepted first anyway loses only the time it runs past the tree's arrival
     /// (nothing when at least a step remains); one whose token the tree lacks saves the wait and
     /// the verify pass that would have committed just the bonus. So step when at least a step
@@ -488,9 +527,31 @@ impl RoundPolicy {
         (steps, (draft - steps as f64 * step).max(0.0))
     }
 
-    /// A greedy step taken while the drafter worked.
-    pub fn observe_overlapped_step(&mut self) {
+    /// A greedy step taken while the drafter worked, and its time (kept apart from the steps
+    /// taken alone: see `overlapped_step`).
+    pub fn observe_overlapped_step(&mut self, secs: f64) {
         self.stats.overlapped_steps += 1;
+        self.steps_in_flight += 1;
+        self.overlapped_step.observe(secs);
+    }
+
+    /// Whether a drafted round paid: its `committed` tokens (the overlapped steps' included) in its
+    /// time (those steps, the `idle` wait for the tree and a `verify` pass) against greedy
+    /// decoding's. A back-off when not; the steps of the next flight are counted afresh. A stale
+    /// tree (`verify` None: nothing verified) never pays: it backs off when its steps were
+    /// dearer than steps alone, else leaves the back-off as it was.
+    fn settle_flight(&mut self, committed: f64, idle: f64, verify: Option<f64>) {
+        let steps = std::mem::take(&mut self.steps_in_flight) as f64;
+        // (Measured whenever a verify pass is: the curve holds flat downwards.)
+        let Some(step) = self.verify.estimate(1) else { return };
+        let overlapped = steps * self.overlapped_step_cost(step);
+        match verify {
+            Some(verify) if (steps + committed) / (overlapped + idle + verify) >= 1.0 / step => {
+                self.streak = 0
+            }
+            None if overlapped <= steps * step => {}
+            _ => self.back_off(),
+        }
     }
 
     /// A tree that arrived after the overlapped steps had left it, or had passed its whole depth:
@@ -507,11 +568,16 @@ impl RoundPolicy {
         if let Some(h) = root_entropy {
             self.law.observe(h, followed, horizon);
         }
+        self.settle_flight(0.0, 0.0, None);
     }
 
     /// After the drafter answered: how many of the tree's first nodes to verify (0: none, the round
-    /// is a greedy step). The draft is paid already, so the choice weighs the verify pass alone:
-    /// argmax over n of E(n) / t_verify(1 + n), where n = 0 is the greedy step.
+    /// is a greedy step). While drafting goes on, every verified round is followed by the next
+    /// draft, and the wider the round, the fewer drafts per token: so n maximises the tokens of
+    /// the cycle (the round's E(n), and the greedy steps the next draft overlaps) over its time
+    /// (t_verify(1 + n) and that draft's), against a greedy step's rate. When no cycle beats
+    /// greedy decoding, drafting will stop, and this draft is paid already: then the verify pass
+    /// is weighed alone, argmax over n of E(n) / t_verify(1 + n).
     pub fn choose_nodes(&mut self, tree: &Tree) -> usize {
         // Probes after a back-off choose like any round: depths never verified keep the optimistic
         // prior, so they are tried as soon as they could pay.
@@ -522,7 +588,12 @@ impl RoundPolicy {
             self.pending = Some(Pending { expected });
             return tree.len();
         }
-        let (best, best_expected) = self.best_prefix(&self.calibration.acceptance(tree));
+        let acceptance = self.calibration.acceptance(tree);
+        let mut choice = self.best_prefix(&acceptance, self.next_draft().unwrap_or_default());
+        if choice.0 == 0 {
+            choice = self.best_prefix(&acceptance, Cycle::default());
+        }
+        let (best, best_expected) = choice;
         tracing::debug!(
             nodes = best,
             of = tree.len(),
@@ -533,6 +604,7 @@ impl RoundPolicy {
         );
         if best == 0 {
             self.stats.declined_trees += 1;
+            self.steps_in_flight = 0;
             self.back_off();
             self.pending = None;
         } else {
@@ -541,11 +613,21 @@ impl RoundPolicy {
         best
     }
 
+    /// What the next draft adds to a verified round's cycle, as the policy expects it: the
+    /// greedy steps it overlaps, and its time (those steps and the idle rest).
+    fn next_draft(&self) -> Option<Cycle> {
+        let step = self.verify.estimate(1)?;
+        let draft = self.draft.estimate(1)?;
+        let overlapped = self.overlapped_step_cost(step);
+        let (steps, idle) = self.overlap(draft, overlapped);
+        Some(Cycle { tokens: steps as f64, secs: steps as f64 * overlapped + idle })
+    }
+
     /// The best-first prefix of n nodes (of acceptance probabilities `acceptance`) that maximises
-    /// expected committed tokens per second of its verify pass, n = 0 being the greedy step, and
-    /// the tokens it is expected to commit. With a cost not yet measured, the whole tree (so its
-    /// cost gets measured).
-    fn best_prefix(&self, acceptance: &[f64]) -> (usize, f64) {
+    /// expected committed tokens per second of its round with `cycle` added to it (n = 0 being the
+    /// greedy step, which has no cycle), and the tokens the round is expected to commit. With a
+    /// cost not yet measured, the whole tree (so its cost gets measured).
+    fn best_prefix(&self, acceptance: &[f64], cycle: Cycle) -> (usize, f64) {
         let (mut best, mut best_rate, mut best_expected) = (0usize, f64::NEG_INFINITY, 1.0);
         let mut expected = 1.0;
         for n in 0..=acceptance.len() {
@@ -555,7 +637,10 @@ impl RoundPolicy {
             let Some(cost) = self.verify.estimate(n + 1) else {
                 return (acceptance.len(), expected + acceptance[n..].iter().sum::<f64>());
             };
-            let rate = expected / cost;
+            let rate = match n {
+                0 => expected / cost,
+                _ => (expected + cycle.tokens) / (cost + cycle.secs),
+            };
             if rate > best_rate {
                 (best, best_rate, best_expected) = (n, rate, expected);
             }
@@ -582,7 +667,7 @@ impl RoundPolicy {
             || Calibration::default().acceptance(chain),
             |calibration| calibration.acceptance(chain),
         );
-        self.best_prefix(&acceptance).0
+        self.best_prefix(&acceptance, Cycle::default()).0
     }
 
     /// A verified prompt-lookup round: the chain's `verified` first nodes, and the accepted path.
@@ -632,14 +717,13 @@ impl RoundPolicy {
         if let Some(h) = root_entropy {
             self.law.observe(h, path.len(), horizon);
         }
-        let paid = match (self.verify.estimate(1), self.verify.estimate(verified + 1)) {
-            (Some(step), Some(verify)) => committed / (idle + verify) >= 1.0 / step,
-            _ => true,
-        };
-        if paid {
-            self.streak = 0;
-        } else {
-            self.back_off();
+        match self.verify.estimate(verified + 1) {
+            Some(verify) => self.settle_flight(committed, idle, Some(verify)),
+            // A pass not measured yet cannot be judged: the round counts as paid.
+            None => {
+                self.steps_in_flight = 0;
+                self.streak = 0;
+            }
         }
     }
 
@@ -748,6 +832,55 @@ mod tests {
         assert!((policy.draft.estimate(4).unwrap() - 0.0035).abs() < 1e-9);
         let (steps, idle) = policy.overlap(0.0135, 0.001);
         assert!(steps >= 13 && idle < 0.0005, "{steps} steps, {idle} s idle");
+    }
+
+    #[test]
+    fn steps_beside_the_working_drafter_are_charged_to_its_round() {
+        // Three steps taken while a tree was drafted, then the tree: verified (two of its four
+        // nodes accepted, three tokens committed) or stale (nothing of it verified).
+        let settle = |overlapped: f64, stale: bool| {
+            let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+            for _ in 0..3 {
+                policy.observe_overlapped_step(overlapped);
+            }
+            if stale {
+                policy.observe_stale_tree(3, None, 4);
+            } else {
+                policy.observe_round(&chain(4, 0.9), 4, &[0, 1], None, 4, 0.0);
+            }
+            (policy.wait, policy.final_stats())
+        };
+        let (wait, stats) = settle(0.001, false);
+        assert_eq!(wait, 0, "6 tokens in 3 + 1.4 ms pay at 1 ms a step");
+        assert_eq!((stats.step_secs, stats.overlapped_step_secs), (0.001, 0.001));
+        assert!(settle(0.003, false).0 > 0, "6 tokens in 9 + 1.4 ms do not");
+        assert_eq!(settle(0.001, true).0, 0, "steps as fast as alone lose nothing to a stale tree");
+        assert!(settle(0.0015, true).0 > 0, "dearer steps lose their difference");
+        // And a slow step beside the drafter makes the rule to step keep a margin: with 1.5 ms of
+        // draft left, a 1 ms step fits, a 2 ms one runs past the tree.
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        policy.observe_draft(4, 0.0035);
+        for _ in 0..20 {
+            policy.first_accepted.observe(1.0);
+        }
+        assert!(policy.step_while_drafting(4, 0.002));
+        policy.overlapped_step.observe(0.002);
+        assert!(!policy.step_while_drafting(4, 0.002));
+    }
+
+    #[test]
+    fn a_round_verifies_wider_when_the_next_draft_is_dear() {
+        // 1 ms a step, 0.1 ms a node; a chain whose nodes hold at 0.9 per depth. Its pass alone
+        // pays best near ten nodes; a 20 ms draft to follow makes each round's tokens worth more.
+        let mut quick = RoundPolicy::with_costs(costs(0.001, 0.0001));
+        quick.warm_up_rounds = RoundPolicy::WARM_UP_ROUNDS;
+        let mut slow = quick.clone();
+        quick.observe_draft(1, 0.0001);
+        slow.observe_draft(1, 0.02);
+        let tree = chain(15, 0.9);
+        let (narrow, wide) = (quick.choose_nodes(&tree), slow.choose_nodes(&tree));
+        assert!((9..=12).contains(&narrow), "{narrow}");
+        assert_eq!(wide, 15);
     }
 
     #[test]

@@ -571,6 +571,8 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
             lookup_rounds: p.lookup_rounds as u32,
             lookup_verified_nodes: p.lookup_nodes as u32,
             lookup_accepted_tokens: p.lookup_accepted as u32,
+            step_ms: p.step_secs * 1e3,
+            overlapped_step_ms: p.overlapped_step_secs * 1e3,
         }),
     })
 }

@@ -422,7 +422,6 @@ pub fn speculative_generate(
                 match (greedy, policy.as_deref_mut()) {
                     (Greedy::NoDrafter, _) => stats.fallback_rounds += 1,
                     (Greedy::NotAsked, Some(p)) => p.observe_greedy_step(),
-                    (Greedy::WhileDrafting, Some(p)) => p.observe_overlapped_step(),
                     _ => {}
                 }
                 let entropy = policy.as_deref().is_some_and(RoundPolicy::wants_step_entropy);
@@ -433,7 +432,11 @@ pub fn speculative_generate(
         let verify_time = verify_started.elapsed();
         stats.verify_time += verify_time;
         if let Some(p) = policy.as_deref_mut() {
-            p.observe_verify(rows, verify_time.as_secs_f64());
+            // A step beside the working drafter is costed apart from one taken alone.
+            match (drafted, greedy) {
+                (false, Greedy::WhileDrafting) => p.observe_overlapped_step(verify_time.as_secs_f64()),
+                _ => p.observe_verify(rows, verify_time.as_secs_f64()),
+            }
         }
         root_entropy = next_entropy.map(f64::from);
         drop(entered);
@@ -467,7 +470,7 @@ pub fn speculative_generate(
     if let Some(s) = &drafting.session {
         stats.bytes_sent += s.bytes_sent();
     }
-    stats.policy = policy.map(|p| p.stats);
+    stats.policy = policy.map(|p| p.final_stats());
     let generation = Generation {
         tokens: committer.tokens,
         logprobs: committer.logprobs,
