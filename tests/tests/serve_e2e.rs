@@ -375,20 +375,25 @@ fn the_model_is_the_one_the_deployment_names() {
     assert!(stderr.contains("--expect-target-fingerprint"), "{stderr}");
 }
 
+/// A drafter serving a random block head made for the target in `target` (written to a
+/// temporary directory named after `name`).
+fn head_drafter_for(target: &std::path::Path, name: &str) -> ServiceProcess {
+    let head = std::env::temp_dir().join(format!("glance-{name}-head-{}", std::process::id()));
+    let spec = drafter_svc::init::HeadSpec {
+        tap_layers: Some(vec![0, 1, 2]),
+        ..drafter_svc::init::HeadSpec::new(1, 16, 1)
+    };
+    drafter_svc::init::write_random_head(target, &head, &spec).unwrap();
+    ServiceProcess::block_head_drafter(&head, target, &[])
+}
+
 /// The verifier retries a drafter that does not fit in the background; its API keeps answering
 /// meanwhile, even on a single runtime worker (a reconnection attempt once held the drafter's
 /// state lock while it waited for that worker, and `model_info` waited for the lock: a hang).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_api_answers_while_a_mismatched_drafter_is_retried() {
     let Some(root) = fixtures() else { return };
-    let other = root.join("tiny-qwen2.5-vl");
-    let head = std::env::temp_dir().join(format!("glance-retried-head-{}", std::process::id()));
-    let spec = drafter_svc::init::HeadSpec {
-        tap_layers: Some(vec![0, 1, 2]),
-        ..drafter_svc::init::HeadSpec::new(1, 16, 1)
-    };
-    drafter_svc::init::write_random_head(&other, &head, &spec).unwrap();
-    let drafter = ServiceProcess::block_head_drafter(&head, &other, &[]);
+    let drafter = head_drafter_for(&root.join("tiny-qwen2.5-vl"), "retried");
     let model = root.join("tiny-qwen3-vl");
     let verifier = ServiceProcess::verifier_with_env(
         &model,
@@ -428,13 +433,7 @@ async fn a_drafter_built_for_another_target_is_left_out_and_requests_decode_with
     // Same vocabulary and width, another target: only the fingerprint tells them apart.
     let other = root.join("tiny-qwen2.5-vl");
     let drafter = ServiceProcess::drafter(&["--kind", "prompt-lookup", "--target", other.to_str().unwrap()]);
-    let head = std::env::temp_dir().join(format!("glance-mismatch-head-{}", std::process::id()));
-    let spec = drafter_svc::init::HeadSpec {
-        tap_layers: Some(vec![0, 1, 2]),
-        ..drafter_svc::init::HeadSpec::new(1, 16, 1)
-    };
-    drafter_svc::init::write_random_head(&other, &head, &spec).unwrap();
-    let head_drafter = ServiceProcess::block_head_drafter(&head, &other, &[]);
+    let head_drafter = head_drafter_for(&other, "mismatch");
     let model = root.join("tiny-qwen3-vl");
     // A head upgrade rolling out, say: the verifier starts and serves, without that drafter.
     let port = glance_tests::free_port();
