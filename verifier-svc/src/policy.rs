@@ -443,11 +443,9 @@ impl RoundPolicy {
             .or(self.recent_commit.get())
             .unwrap_or(f64::INFINITY);
         let Some(verify) = self.typical_verify() else { return true };
-        let overlapped = self.overlapped_step_cost(step);
-        let (steps, idle) = self.overlap(draft, overlapped);
         // The round's tokens (the overlapped steps' among them, when the tree holds them) over its
         // time, against greedy decoding's rate.
-        if expected / (steps as f64 * overlapped + idle + verify) >= 1.0 / step {
+        if expected / (self.draft_cycle(draft, step).secs + verify) >= 1.0 / step {
             return true;
         }
         self.back_off();
@@ -494,12 +492,12 @@ impl RoundPolicy {
     }
 
     /// Whether to step (a step costing `step` while the drafter works) with `remaining` seconds of
-    /// draft time expected. A step whose token the
-    /// tree would have accepted first anyway loses only the time it runs past the tree's arrival
-    /// (nothing when at least a step remains); one whose token the tree lacks saves the wait and
-    /// the verify pass that would have committed just the bonus. So step when at least a step
-    /// remains, else when (1 − a)·(wait + verify − step) > a·(step − wait), with `a` the recent
-    /// chance that a tree's first node is accepted.
+    /// draft time expected. A step whose token the tree would have accepted first anyway loses
+    /// only the time it runs past the tree's arrival (nothing when at least a step remains); one
+    /// whose token the tree lacks saves the wait and the verify pass that would have committed
+    /// just the bonus. So step when at least a step remains, else when
+    /// (1 − a)·(wait + verify − step) > a·(step − wait), with `a` the recent chance that a tree's
+    /// first node is accepted.
     fn steps_at(&self, remaining: f64, step: f64) -> bool {
         let wait = remaining.max(0.0);
         if wait >= step {
@@ -613,14 +611,17 @@ impl RoundPolicy {
         best
     }
 
-    /// What the next draft adds to a verified round's cycle, as the policy expects it: the
-    /// greedy steps it overlaps, and its time (those steps and the idle rest).
+    /// What the next draft adds to a verified round's cycle, as the policy expects it.
     fn next_draft(&self) -> Option<Cycle> {
-        let step = self.verify.estimate(1)?;
-        let draft = self.draft.estimate(1)?;
+        Some(self.draft_cycle(self.draft.estimate(1)?, self.verify.estimate(1)?))
+    }
+
+    /// A draft of `draft` seconds with greedy steps of `step` seconds alone: the steps it
+    /// overlaps (at their cost beside the drafter), and its time (those steps and the idle rest).
+    fn draft_cycle(&self, draft: f64, step: f64) -> Cycle {
         let overlapped = self.overlapped_step_cost(step);
         let (steps, idle) = self.overlap(draft, overlapped);
-        Some(Cycle { tokens: steps as f64, secs: steps as f64 * overlapped + idle })
+        Cycle { tokens: steps as f64, secs: steps as f64 * overlapped + idle }
     }
 
     /// The best-first prefix of n nodes (of acceptance probabilities `acceptance`) that maximises
