@@ -27,6 +27,7 @@ use crate::error::VerifierError;
 use crate::local_drafter::LocalProvider;
 use crate::metrics as names;
 use crate::policy::{RoundPolicy, VerifyCost};
+use crate::policy_memory::{Instruction, PolicyMemory};
 use crate::speculative::{speculative_generate, DraftProvider, SpecParams, SpecStats};
 use crate::stop::TextAssembler;
 
@@ -249,7 +250,7 @@ pub fn start(
     let drain = Drain { state: Arc::new(drain_state), queue: Arc::clone(&queue) };
     let eos = prompts.eos_token_ids().iter().map(|&i| i as i64).collect::<Vec<_>>();
     let capacity = limits.max_concurrent.max(1) + limits.max_queue;
-    let prior = Mutex::new(RoundPolicy::with_costs(costs));
+    let prior = Mutex::new(PolicyMemory::new(RoundPolicy::with_costs(costs)));
     let worker = Arc::new(Worker {
         model: SharedModel(model),
         prompts: Arc::clone(&prompts),
@@ -282,9 +283,9 @@ struct Worker {
     eos: Vec<i64>,
     limits: EngineLimits,
     drafting: Drafting,
-    /// The auto policy as the last auto request left it: what the next one starts from (costs,
-    /// calibration, the entropy law, the probe back-off).
-    prior: Mutex<RoundPolicy>,
+    /// The auto policies earlier auto requests left: what the next one starts from (costs,
+    /// calibration, the entropy law, the probe back-off), per instruction.
+    prior: Mutex<PolicyMemory>,
     drain: Arc<DrainState>,
 }
 
@@ -352,8 +353,7 @@ impl Worker {
                 StepControl::Continue
             }
         };
-        let (generation, speculative) =
-            self.decode(&inputs, &params, job.decoding, job.sampling, job.log_rounds, on_token)?;
+        let (generation, speculative) = self.decode(&job, &inputs, &params, on_token)?;
         if job.events.is_closed() && !stop_string {
             return Err(VerifierError::Cancelled);
         }
@@ -399,13 +399,12 @@ impl Worker {
     #[allow(clippy::type_complexity)]
     fn decode(
         &self,
+        job: &Job,
         inputs: &ModelInputs,
         params: &GreedyParams,
-        decoding: Decoding,
-        sampling: Sampling,
-        log_rounds: bool,
         on_token: impl FnMut(Emitted<'_>) -> StepControl,
     ) -> Result<(Generation, Option<(Decoding, SpecParams, SpecStats)>), VerifierError> {
+        let (decoding, sampling, log_rounds) = (job.decoding, job.sampling, job.log_rounds);
         let spec = |budget, branch_k| SpecParams { budget, branch_k, log_rounds, sampling };
         let (mut provider, spec): (Box<dyn DraftProvider>, SpecParams) = match decoding {
             Decoding::Autoregressive => {
@@ -424,7 +423,8 @@ impl Worker {
             }
             Decoding::Auto { budget, branch_k } => (self.remote()?, spec(budget, branch_k)),
         };
-        let mut policy = matches!(decoding, Decoding::Auto { .. }).then(|| self.policy());
+        let instruction = Instruction::of(&job.prompt.text);
+        let mut policy = matches!(decoding, Decoding::Auto { .. }).then(|| self.policy(instruction));
         let (generation, stats) = speculative_generate(
             &self.model.0,
             inputs,
@@ -435,20 +435,26 @@ impl Worker {
             on_token,
         )?;
         if let Some(policy) = policy {
-            self.keep_prior(policy);
+            self.keep_prior(instruction, policy);
         }
         Ok((generation, Some((decoding, spec, stats))))
     }
 
-    /// An auto policy starting from what earlier requests learnt, with fresh stats.
-    fn policy(&self) -> RoundPolicy {
-        self.prior.lock().map(|p| p.for_new_request()).unwrap_or_default()
+    /// An auto policy for a request of `instruction`, starting from what earlier requests learnt,
+    /// with fresh stats.
+    fn policy(&self, instruction: Instruction) -> RoundPolicy {
+        let Ok(mut memory) = self.prior.lock() else { return RoundPolicy::default() };
+        let (policy, known) = memory.policy_for(instruction);
+        if known {
+            metrics::counter!(names::AUTO_KNOWN_INSTRUCTIONS).increment(1);
+        }
+        policy
     }
 
-    /// Keeps what a finished auto request learnt for the next one.
-    fn keep_prior(&self, policy: RoundPolicy) {
+    /// Keeps what a finished auto request learnt for the next ones.
+    fn keep_prior(&self, instruction: Instruction, policy: RoundPolicy) {
         if let Ok(mut prior) = self.prior.lock() {
-            *prior = policy;
+            prior.keep(instruction, policy);
         }
     }
 

@@ -9,6 +9,7 @@ pub mod error;
 pub mod local_drafter;
 pub mod metrics;
 pub mod policy;
+pub mod policy_memory;
 pub mod server;
 pub mod service;
 pub mod speculative;

@@ -412,6 +412,26 @@ impl RoundPolicy {
         }
     }
 
+    /// This policy, the one the last request of the same instruction ended with, as the next such
+    /// request's starting point: as [`RoundPolicy::for_new_request`], but without the opening
+    /// probe, the probe back-off going on where that request left it, and with `now`'s costs (the
+    /// machine's, measured since by any request). A request of an instruction never seen opens
+    /// with a probe because nobody knows whether its trees pay; for a known one the instruction's
+    /// own rounds say so. Another page of random words is no easier to draft than the last: where
+    /// trees did not pay, the next probe waits out its turn across requests instead of opening
+    /// each one (on a 30-token answer, an opening probe's context rows and the steps taken beside
+    /// the drafter cost a few percent); where they paid, the first round drafts at once.
+    pub fn for_same_instruction(&self, now: &RoundPolicy) -> Self {
+        Self {
+            wait: self.wait,
+            explore: false,
+            verify: now.verify.clone(),
+            draft: now.draft,
+            overlapped_step: now.overlapped_step,
+            ..self.for_new_request()
+        }
+    }
+
     /// Whether a greedy step should read back the target's entropy at its token: only when the
     /// next decision will read it, i.e. the law can use it and that decision is neither a wait
     /// step nor a probe (a verify round always reads it, to feed the law).
