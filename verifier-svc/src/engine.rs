@@ -250,14 +250,14 @@ pub fn start(
     let drain = Drain { state: Arc::new(drain_state), queue: Arc::clone(&queue) };
     let eos = prompts.eos_token_ids().iter().map(|&i| i as i64).collect::<Vec<_>>();
     let capacity = limits.max_concurrent.max(1) + limits.max_queue;
-    let prior = Mutex::new(PolicyMemory::new(RoundPolicy::with_costs(costs)));
+    let policies = Mutex::new(PolicyMemory::new(RoundPolicy::with_costs(costs)));
     let worker = Arc::new(Worker {
         model: SharedModel(model),
         prompts: Arc::clone(&prompts),
         eos,
         limits: limits.clone(),
         drafting,
-        prior,
+        policies,
         drain: Arc::clone(&drain.state),
     });
     for i in 0..limits.max_concurrent.max(1) {
@@ -285,7 +285,7 @@ struct Worker {
     drafting: Drafting,
     /// The auto policies earlier auto requests left: what the next one starts from (costs,
     /// calibration, the entropy law, the probe back-off), per instruction.
-    prior: Mutex<PolicyMemory>,
+    policies: Mutex<PolicyMemory>,
     drain: Arc<DrainState>,
 }
 
@@ -423,7 +423,7 @@ impl Worker {
             }
             Decoding::Auto { budget, branch_k } => (self.remote()?, spec(budget, branch_k)),
         };
-        let instruction = Instruction::of(&job.prompt.text);
+        let instruction = Instruction::of(&job.prompt.text, sampling.temperature);
         let mut policy = matches!(decoding, Decoding::Auto { .. }).then(|| self.policy(instruction));
         let (generation, stats) = speculative_generate(
             &self.model.0,
@@ -435,7 +435,7 @@ impl Worker {
             on_token,
         )?;
         if let Some(policy) = policy {
-            self.keep_prior(instruction, policy);
+            self.keep_policy(instruction, policy);
         }
         Ok((generation, Some((decoding, spec, stats))))
     }
@@ -443,7 +443,7 @@ impl Worker {
     /// An auto policy for a request of `instruction`, starting from what earlier requests learnt,
     /// with fresh stats.
     fn policy(&self, instruction: Instruction) -> RoundPolicy {
-        let Ok(mut memory) = self.prior.lock() else { return RoundPolicy::default() };
+        let Ok(mut memory) = self.policies.lock() else { return RoundPolicy::default() };
         let (policy, known) = memory.policy_for(instruction);
         if known {
             metrics::counter!(names::AUTO_KNOWN_INSTRUCTIONS).increment(1);
@@ -452,9 +452,9 @@ impl Worker {
     }
 
     /// Keeps what a finished auto request learnt for the next ones.
-    fn keep_prior(&self, instruction: Instruction, policy: RoundPolicy) {
-        if let Ok(mut prior) = self.prior.lock() {
-            prior.keep(instruction, policy);
+    fn keep_policy(&self, instruction: Instruction, policy: RoundPolicy) {
+        if let Ok(mut memory) = self.policies.lock() {
+            memory.keep(instruction, policy);
         }
     }
 

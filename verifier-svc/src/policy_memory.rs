@@ -13,14 +13,16 @@ use lru::LruCache;
 use crate::policy::RoundPolicy;
 
 /// A request's instruction: the hash of its rendered prompt text with the image placeholders
-/// unexpanded, so the same question about another image is the same instruction.
+/// unexpanded, so the same question about another image is the same instruction, and of its
+/// temperature (a tree that a greedy answer accepts whole, a sampled one may leave at once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Instruction(u64);
 
 impl Instruction {
-    pub fn of(prompt_text: &str) -> Self {
+    pub fn of(prompt_text: &str, temperature: f64) -> Self {
         let mut hasher = DefaultHasher::new();
         prompt_text.hash(&mut hasher);
+        temperature.to_bits().hash(&mut hasher);
         Self(hasher.finish())
     }
 }
@@ -96,7 +98,7 @@ mod tests {
     #[test]
     fn a_known_instruction_waits_out_its_back_off_across_requests_and_a_new_one_probes() {
         let mut memory = memory();
-        let page = Instruction::of("What is written on the page?");
+        let page = Instruction::of("What is written on the page?", 0.0);
         // Past the warm-up rounds (which verify whole trees), the probes back off.
         for _ in 0..8 {
             request(&mut memory, page, 100);
@@ -107,7 +109,7 @@ mod tests {
         assert!(asked.iter().sum::<usize>() >= 1, "probes stop altogether: {asked:?}");
         assert!(asked.iter().sum::<usize>() <= 4, "each request probes: {asked:?}");
         // Another instruction opens with a probe, as the first request of any instruction does.
-        let chart = Instruction::of("List the bars and their values.");
+        let chart = Instruction::of("List the bars and their values.", 0.0);
         let (mut policy, known) = memory.policy_for(chart);
         assert!(!known);
         assert!(policy.should_draft(None, 15, 4));
@@ -121,7 +123,7 @@ mod tests {
     #[test]
     fn a_known_instruction_whose_trees_pay_drafts_at_once() {
         let mut memory = memory();
-        let chart = Instruction::of("List the bars and their values.");
+        let chart = Instruction::of("List the bars and their values.", 0.0);
         // Requests whose chains of 15 are accepted whole.
         for _ in 0..4 {
             let (mut policy, _) = memory.policy_for(chart);
@@ -149,17 +151,13 @@ mod tests {
     }
 
     #[test]
-    fn the_same_question_about_another_image_is_the_same_instruction() {
+    fn the_same_question_about_another_image_at_the_same_temperature_is_the_same_instruction() {
         let template = |question: &str| {
             format!("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n")
         };
-        assert_eq!(
-            Instruction::of(&template("Read the chart.")),
-            Instruction::of(&template("Read the chart."))
-        );
-        assert_ne!(
-            Instruction::of(&template("Read the chart.")),
-            Instruction::of(&template("Read the sign."))
-        );
+        let of = |question: &str, temperature| Instruction::of(&template(question), temperature);
+        assert_eq!(of("Read the chart.", 0.0), of("Read the chart.", 0.0));
+        assert_ne!(of("Read the chart.", 0.0), of("Read the sign.", 0.0));
+        assert_ne!(of("Read the chart.", 0.0), of("Read the chart.", 0.7));
     }
 }
