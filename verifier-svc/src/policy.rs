@@ -755,12 +755,13 @@ impl RoundPolicy {
     }
 }
 
+/// Synthetic drafters and cost curves the policy's tests (and its memory's) drive it with.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
 
     /// A chain of `len` nodes whose path log-probabilities claim `q` per step.
-    fn chain(len: usize, q: f64) -> Tree {
+    pub(crate) fn chain(len: usize, q: f64) -> Tree {
         let mut tree = Tree::default();
         for d in 0..len {
             tree.push(d as u32, d as i32 - 1, (d + 1) as f64 * q.ln());
@@ -769,7 +770,7 @@ mod tests {
     }
 
     /// A verify cost curve: `base` seconds for one row plus `per_row` for each further row.
-    fn costs(base: f64, per_row: f64) -> VerifyCost {
+    pub(crate) fn costs(base: f64, per_row: f64) -> VerifyCost {
         let mut verify = VerifyCost::default();
         for rows in [1, 2, 4, 8, 16, 32, 64] {
             verify.observe(rows, base + per_row * (rows - 1) as f64);
@@ -779,7 +780,13 @@ mod tests {
 
     /// Runs `rounds` rounds against a drafter whose chain of `len` nodes claims `claimed` per
     /// token while the target accepts the first `accepted` nodes of every verified prefix.
-    fn simulate(policy: &mut RoundPolicy, rounds: usize, len: usize, claimed: f64, accepted: usize) {
+    pub(crate) fn simulate(
+        policy: &mut RoundPolicy,
+        rounds: usize,
+        len: usize,
+        claimed: f64,
+        accepted: usize,
+    ) {
         for _ in 0..rounds {
             if !policy.should_draft(None, len, 1) {
                 policy.observe_greedy_step();
@@ -795,6 +802,12 @@ mod tests {
             policy.observe_round(&tree, n, &path, None, len, 0.0);
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{chain, costs, simulate};
+    use super::*;
 
     #[test]
     fn verify_costs_interpolate_and_never_extrapolate_downwards() {

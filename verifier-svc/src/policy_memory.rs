@@ -61,51 +61,41 @@ impl PolicyMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::VerifyCost;
+    use crate::policy::test_support::{costs, simulate};
 
-    /// A request of `instruction` whose trees claim nothing and are never accepted, for `steps`
-    /// rounds; returns how many times it asked the drafter.
-    fn request(memory: &mut PolicyMemory, instruction: Instruction, steps: usize) -> usize {
+    /// A request of `instruction` of `steps` rounds against a drafter whose chains of 15 claim
+    /// `claimed` per token and are accepted for their first `accepted` nodes; returns how many
+    /// times it asked the drafter.
+    fn request(
+        memory: &mut PolicyMemory,
+        instruction: Instruction,
+        steps: usize,
+        claimed: f64,
+        accepted: usize,
+    ) -> usize {
         let (mut policy, _) = memory.policy_for(instruction);
-        let mut asked = 0;
-        for _ in 0..steps {
-            if policy.should_draft(None, 15, 4) {
-                asked += 1;
-                policy.observe_draft(4, 0.002);
-                let mut tree = glance_spec::tree::Tree::default();
-                tree.push(0, -1, (1e-6f64).ln());
-                // The first rounds the server ever drafts verify whole trees; none is accepted.
-                let nodes = policy.choose_nodes(&tree);
-                if nodes > 0 {
-                    policy.observe_round(&tree, nodes, &[], None, 15, 0.0);
-                }
-            } else {
-                policy.observe_greedy_step();
-            }
-        }
+        simulate(&mut policy, steps, 15, claimed, accepted);
+        let asked = policy.stats.verified_rounds + policy.stats.declined_trees;
         memory.keep(instruction, policy);
         asked
     }
 
     fn memory() -> PolicyMemory {
-        let mut verify = VerifyCost::default();
-        for rows in [1, 2, 4, 8, 16, 32] {
-            verify.observe(rows, 0.001 + 0.0001 * rows as f64);
-        }
-        PolicyMemory::new(RoundPolicy::with_costs(verify))
+        PolicyMemory::new(RoundPolicy::with_costs(costs(0.001, 0.0001)))
     }
 
     #[test]
     fn a_known_instruction_waits_out_its_back_off_across_requests_and_a_new_one_probes() {
         let mut memory = memory();
         let page = Instruction::of("What is written on the page?", 0.0);
-        // Past the warm-up rounds (which verify whole trees), the probes back off.
+        // A drafter never accepted: past the warm-up rounds (which verify whole trees), the probes
+        // back off.
         for _ in 0..8 {
-            request(&mut memory, page, 100);
+            request(&mut memory, page, 100, 0.9, 0);
         }
         // Short answers of the same instruction: no request opens with a probe, and the back-off
         // (up to 64 steps) spans requests, so a probe still comes every few of them.
-        let asked: Vec<usize> = (0..8).map(|_| request(&mut memory, page, 20)).collect();
+        let asked: Vec<usize> = (0..8).map(|_| request(&mut memory, page, 20, 0.9, 0)).collect();
         assert!(asked.iter().sum::<usize>() >= 1, "probes stop altogether: {asked:?}");
         assert!(asked.iter().sum::<usize>() <= 4, "each request probes: {asked:?}");
         // Another instruction opens with a probe, as the first request of any instruction does.
@@ -127,20 +117,7 @@ mod tests {
         // Requests whose chains of 15 are accepted whole.
         for _ in 0..4 {
             let (mut policy, _) = memory.policy_for(chart);
-            for _ in 0..40 {
-                if policy.should_draft(None, 15, 4) {
-                    policy.observe_draft(4, 0.002);
-                    let mut tree = glance_spec::tree::Tree::default();
-                    for d in 0..15 {
-                        tree.push(d, d as i32 - 1, (d + 1) as f64 * 0.9f64.ln());
-                    }
-                    let nodes = policy.choose_nodes(&tree);
-                    let path: Vec<usize> = (0..nodes).collect();
-                    policy.observe_round(&tree, nodes, &path, None, 15, 0.0);
-                } else {
-                    policy.observe_greedy_step();
-                }
-            }
+            simulate(&mut policy, 40, 15, 0.9, 15);
             assert_eq!(policy.stats.greedy_steps, 0, "{:?}", policy.stats);
             memory.keep(chart, policy);
         }
