@@ -10,9 +10,10 @@ use glance_models::TargetConfig;
 use glance_spec::session::{
     DraftEngine, DraftError, DrafterKind, Handshake, RoundInput, Session, TokenHistory, MAX_TREE_NODES,
 };
-use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
+use glance_spec::tree::{build_budget_tree, TokenId, Tree};
 use tch::{Device, Kind, Tensor};
 
+use crate::draft_vocab::DraftVocab;
 use crate::eagle3::{Eagle3Head, TreeShape};
 use crate::head::{DraftHead, HeadError};
 
@@ -39,14 +40,27 @@ pub struct BlockHeadEngine {
 }
 
 impl BlockHeadEngine {
+    /// `draft_vocab`: score only the head directory's N most frequent tokens
+    /// ([`crate::draft_vocab`]); 0 scores the whole vocabulary.
     pub fn load(
         head_dir: &Path,
         target_dir: &Path,
         kind: Kind,
         device: Device,
         max_context: usize,
+        draft_vocab: usize,
     ) -> Result<Self, HeadError> {
-        let head = DraftHead::load(head_dir, target_dir, kind, device)?;
+        let mut head = DraftHead::load(head_dir, target_dir, kind, device)?;
+        if draft_vocab > 0 {
+            let ranked = DraftVocab::read(head_dir)?;
+            head.restrict_vocab(ranked.top(draft_vocab))?;
+            tracing::info!(
+                tokens = head.draft_vocab_size(),
+                of = head.vocab_size(),
+                training_coverage = ranked.coverage(draft_vocab),
+                "draft vocabulary: the head scores the most frequent tokens of its training responses"
+            );
+        }
         let fingerprint =
             glance_models::weights::target_fingerprint(target_dir, &TargetConfig::read(target_dir)?)?;
         Ok(Self::new(head, fingerprint, max_context))
@@ -156,12 +170,16 @@ impl Session for BlockHeadSession {
             }
             _ => Tensor::cat(&std::mem::take(&mut self.pending), 0),
         };
-        let logits = self
+        let marginals = self
             .head
-            .draft(&mut self.cache, &context, round.root_token as i64, round.root_position)
+            .draft_marginals(
+                &mut self.cache,
+                &context,
+                round.root_token as i64,
+                round.root_position,
+                round.branch_k,
+            )
             .map_err(|e| DraftError::Internal(e.to_string()))?;
-        let marginals =
-            Marginals::top_k(&logits, round.branch_k).map_err(|e| DraftError::Internal(e.to_string()))?;
         Ok(build_budget_tree(&marginals, round.budget.min(MAX_TREE_NODES), round.branch_k))
     }
 }

@@ -16,6 +16,7 @@ use glance_models::kv_cache::{CacheError, KvCache};
 use glance_models::layers::{inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu};
 use glance_models::weights::{read_named_tensors, Checkpoint, WeightsError};
 use glance_models::{ModelError, TextConfig};
+use glance_spec::tree::{Marginals, TokenId, TreeError};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
@@ -35,6 +36,8 @@ pub enum HeadError {
     Cache(#[from] CacheError),
     #[error("bad draft input: {0}")]
     Input(String),
+    #[error(transparent)]
+    Marginals(#[from] TreeError),
 }
 
 /// What the head needs to know about its target: the language model of its `config.json`, as the
@@ -222,8 +225,17 @@ pub struct DraftHead {
     /// Rotary tables of positions 0.. precomputed for serving ([`DraftHead::precompute_rotary`]);
     /// a round then slices its rows instead of computing them.
     rotary_table: Option<Rotary>,
+    /// The tokens a served draft pass scores ([`DraftHead::restrict_vocab`]); all when `None`.
+    draft_vocab: Option<RestrictedVocab>,
     kind: Kind,
     device: Device,
+}
+
+/// A draft vocabulary in place: its token ids and their rows of the LM head.
+struct RestrictedVocab {
+    ids: Vec<TokenId>,
+    /// (ids, hidden): `lm_head[ids]`, gathered once.
+    lm_head: Tensor,
 }
 
 struct HeadLayer {
@@ -310,6 +322,7 @@ impl DraftHead {
             lm_head,
             inv_freq,
             rotary_table: None,
+            draft_vocab: None,
             kind,
             device,
             config,
@@ -325,6 +338,51 @@ impl DraftHead {
             Some(self.rotary_at(Tensor::arange(positions as i64, (Kind::Int64, self.device))));
     }
 
+    /// From now on a draft pass scores only `ids` (distinct tokens of the target's vocabulary), so
+    /// its marginals are the head's distribution renormalized over them (see [`crate::draft_vocab`]).
+    /// Training is unaffected: its logits cover the whole vocabulary.
+    pub fn restrict_vocab(&mut self, ids: &[i64]) -> Result<(), HeadError> {
+        let vocab = self.vocab_size();
+        if let Some(bad) = ids.iter().find(|&&id| !(0..vocab).contains(&id)) {
+            return Err(HeadError::Input(format!(
+                "draft vocabulary token {bad} outside the target's vocabulary of {vocab}"
+            )));
+        }
+        if ids.is_empty() || ids.iter().collect::<std::collections::HashSet<_>>().len() != ids.len() {
+            return Err(HeadError::Input("a draft vocabulary needs distinct tokens, at least one".into()));
+        }
+        let rows = glance_models::upload(ids, self.device);
+        let lm_head = tch::no_grad(|| self.lm_head.index_select(0, &rows));
+        let ids = ids.iter().map(|&id| id as TokenId).collect();
+        self.draft_vocab = Some(RestrictedVocab { ids, lm_head });
+        Ok(())
+    }
+
+    /// Tokens a draft pass scores: the draft vocabulary's size, else the whole vocabulary's.
+    pub fn draft_vocab_size(&self) -> usize {
+        self.draft_vocab.as_ref().map_or(self.vocab_size() as usize, |v| v.ids.len())
+    }
+
+    /// One draft pass ([`DraftHead::draft`]) reduced to the `k` best tokens per offset, in the
+    /// target's token ids (a draft vocabulary's positions mapped back).
+    pub fn draft_marginals(
+        &self,
+        cache: &mut KvCache,
+        context: &Tensor,
+        root_token: i64,
+        root_position: usize,
+        k: usize,
+    ) -> Result<Marginals, HeadError> {
+        let logits = self.draft(cache, context, root_token, root_position)?;
+        let mut marginals = Marginals::top_k(&logits, k)?;
+        if let Some(vocab) = &self.draft_vocab {
+            for id in marginals.ids.iter_mut().flatten() {
+                *id = vocab.ids[*id as usize];
+            }
+        }
+        Ok(marginals)
+    }
+
     /// An empty draft KV cache for `capacity` stream positions (context rows plus one block).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         let c = &self.config;
@@ -334,7 +392,8 @@ impl DraftHead {
     /// One draft pass. `context`: (C, taps·hidden) tap states (any float dtype) of the C committed
     /// positions not yet in `cache`, which must end right before `root_position`; `root_token` is
     /// the pending token at `root_position`. Appends the C context rows to `cache` and returns the
-    /// (B−1, vocab) draft logits for positions `root_position+1 ..= root_position+B−1`.
+    /// (B−1, vocab) draft logits for positions `root_position+1 ..= root_position+B−1`; with a
+    /// draft vocabulary, (B−1, its size), column i scoring its i-th token.
     pub fn draft(
         &self,
         cache: &mut KvCache,
@@ -396,7 +455,10 @@ impl DraftHead {
         // Only the context rows persist; the block's rows past them are left to be overwritten.
         cache.advance(rows as usize);
         let out = self.norm.forward(&hidden.narrow(0, 1, block - 1));
-        self.logits(&out)
+        match &self.draft_vocab {
+            Some(vocab) => self.scale_logits(out.linear(&vocab.lm_head, None::<Tensor>)),
+            None => self.logits(&out),
+        }
     }
 
     /// Teacher-forced training pass over one row. `context`: (S, taps·hidden) tap states of the

@@ -4,6 +4,7 @@
 //! API; it also initializes and trains heads. The EAGLE-3 head (the matched peer), prompt lookup
 //! and the test drafters share the same service.
 
+pub mod draft_vocab;
 pub mod eagle3;
 pub mod engines;
 pub mod head;

@@ -101,6 +101,12 @@ struct ServeArgs {
     /// terminationGracePeriodSeconds above the preStop delay plus this.
     #[arg(long, env = "GLANCE_DRAFTER_DRAIN_TIMEOUT_S", default_value_t = 120.0)]
     drain_timeout_s: f64,
+    /// Block head: score only the N most frequent tokens of the head's training responses
+    /// (`draft_vocab.json` in the head directory, written by `train`): the LM-head matmul of a
+    /// draft pass shrinks from the whole vocabulary to N rows. Tokens outside are never drafted;
+    /// the output is the same. 0: the whole vocabulary.
+    #[arg(long, env = "GLANCE_DRAFTER_DRAFT_VOCAB", default_value_t = 0)]
+    draft_vocab: usize,
     /// EAGLE-3: passes per tree after the first, so trees reach `depth + 1` tokens (EAGLE's
     /// own settings: 5 to 7).
     #[arg(long, env = "GLANCE_DRAFTER_EAGLE_DEPTH", default_value_t = 6)]
@@ -297,13 +303,26 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
     let need = |what: &Option<PathBuf>, flag: &str| {
         what.clone().ok_or_else(|| format!("--kind {:?} needs {flag}", args.kind))
     };
+    if args.draft_vocab > 0 && !matches!(args.kind, Kind_::BlockHead) {
+        return Err(format!(
+            "--draft-vocab is for --kind block-head, not {:?} (an EAGLE-3 head carries its own, d2t)",
+            args.kind
+        ));
+    }
     let engine: Box<dyn DraftEngine> = match args.kind {
         Kind_::BlockHead => {
             let head = need(&args.head, "--head")?;
             let target = need(&args.target, "--target")?;
             Box::new(
-                engines::BlockHeadEngine::load(&head, &target, kind, device, args.max_context)
-                    .map_err(|e| e.to_string())?,
+                engines::BlockHeadEngine::load(
+                    &head,
+                    &target,
+                    kind,
+                    device,
+                    args.max_context,
+                    args.draft_vocab,
+                )
+                .map_err(|e| e.to_string())?,
             )
         }
         Kind_::Eagle3 => {

@@ -369,6 +369,7 @@ mod fuzz {
                 tch::Kind::Float,
                 Device::Cpu,
                 512,
+                0,
             )
             .expect("the committed toy head")
         })

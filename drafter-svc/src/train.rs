@@ -29,6 +29,7 @@ use glance_train::save::{self, SaveError};
 use glance_train::{cosine_lr, cross_entropy, AdamW};
 use tch::{Device, Kind, Tensor};
 
+use crate::draft_vocab::DraftVocab;
 use crate::head::{DraftHead, DraftHeadConfig, HeadError};
 use crate::init::{write_random_head, HeadSpec};
 
@@ -162,6 +163,9 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
     };
     let train_rows = builder.build(&config.data, false, config.rows)?;
     let held_out = builder.build(&config.data, true, config.held_out_rows)?;
+    // Beside the head, for serving with `--draft-vocab`: from the training rows only, so the
+    // held-out evaluation and benchmarks see nothing of their own prompts.
+    response_vocab(&train_rows).write(&config.out).map_err(|e| TrainError::Data(e.to_string()))?;
     let mut ckpt = Checkpoint::open(&head_dir, Kind::Float, config.device)
         .map_err(|e| TrainError::Head(e.into()))?
         .into_trainable();
@@ -560,20 +564,15 @@ fn teacher_forced_states(
 /// The `count` most frequent tokens of the rows' responses (sorted by id) and the share of response
 /// tokens they cover.
 pub(crate) fn most_frequent_response_tokens(rows: &[Row], count: usize) -> (Vec<i64>, f64) {
-    let mut counts: std::collections::HashMap<i64, usize> = Default::default();
-    for row in rows {
-        for &t in &row.tokens[row.response_start..] {
-            *counts.entry(t).or_default() += 1;
-        }
-    }
-    let total: usize = counts.values().sum();
-    let mut ranked: Vec<(i64, usize)> = counts.into_iter().collect();
-    ranked.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    ranked.truncate(count);
-    let covered: usize = ranked.iter().map(|(_, c)| c).sum();
-    let mut ids: Vec<i64> = ranked.into_iter().map(|(t, _)| t).collect();
+    let ranked = response_vocab(rows);
+    let mut ids = ranked.top(count).to_vec();
     ids.sort_unstable();
-    (ids, covered as f64 / total.max(1) as f64)
+    (ids, ranked.coverage(count))
+}
+
+/// The tokens of the rows' responses, ranked by frequency.
+pub(crate) fn response_vocab(rows: &[Row]) -> DraftVocab {
+    DraftVocab::from_responses(rows.iter().map(|row| &row.tokens[row.response_start..]))
 }
 
 /// Steps between refreshes of the sampled softmax's hard negatives (each refresh is one

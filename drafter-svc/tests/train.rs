@@ -126,15 +126,59 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
     // The output is a DFlash-layout head the service loads unchanged.
-    let engine =
-        drafter_svc::engines::BlockHeadEngine::load(&out, &dir, Kind::Float, Device::Cpu, 4096).unwrap();
+    assert_eq!(served_tree(&out, &dir, 0).len(), 15);
+
+    // Beside it, the training responses' tokens ranked by frequency; served with --draft-vocab 6
+    // the head drafts only the six most frequent.
+    let ranked = drafter_svc::draft_vocab::DraftVocab::read(&out).unwrap();
+    assert!(ranked.ranked.len() > 6 && ranked.counts.windows(2).all(|w| w[0] >= w[1]));
+    let tree = served_tree(&out, &dir, 6);
+    assert_eq!(tree.len(), 15);
+    let allowed: Vec<u32> = ranked.top(6).iter().map(|&t| t as u32).collect();
+    assert!(tree.tokens.iter().all(|t| allowed.contains(t)), "{:?} outside {allowed:?}", tree.tokens);
+}
+
+/// A budget-15 tree from `head` as drafter-svc's engine serves it (`draft_vocab` as its flag).
+fn served_tree(
+    head: &std::path::Path,
+    target: &std::path::Path,
+    draft_vocab: usize,
+) -> glance_spec::tree::Tree {
+    use drafter_svc::engines::BlockHeadEngine;
     use glance_spec::session::{DraftEngine, RoundInput};
+    let engine = BlockHeadEngine::load(head, target, Kind::Float, Device::Cpu, 4096, draft_vocab).unwrap();
     let mut session = engine.new_session();
     let states = tch::Tensor::zeros([5, 3 * 64], (Kind::Float, Device::Cpu));
     session.append_context(0, &[1, 2, 3, 4, 5], Some(states)).unwrap();
-    let tree =
-        session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4 }).unwrap();
-    assert_eq!(tree.len(), 15);
+    session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4 }).unwrap()
+}
+
+/// A draft vocabulary changes only which tokens are scored: the marginals are the full pass's
+/// logits renormalized over the subset, in the target's token ids.
+#[test]
+fn a_draft_vocabulary_renormalizes_the_full_marginals_over_its_tokens() {
+    let Some(dir) = target_dir() else { return };
+    let head_dir = scratch("vocab-head");
+    let spec = HeadSpec { tap_layers: Some(vec![0, 1, 2]), ..HeadSpec::new(1, 16, 5) };
+    drafter_svc::init::write_random_head(&dir, &head_dir, &spec).unwrap();
+    let mut head = DraftHead::load(&head_dir, &dir, Kind::Float, Device::Cpu).unwrap();
+    std::fs::remove_dir_all(&head_dir).ok();
+    let context = tch::Tensor::randn([6, 3 * 64], (Kind::Float, Device::Cpu));
+    let full = head.draft(&mut head.new_cache(64), &context, 9, 6).unwrap(); // (15, vocab)
+    let subset: Vec<i64> = (0..head.vocab_size()).filter(|t| t % 7 == 3).rev().collect();
+    head.restrict_vocab(&subset).unwrap();
+    let restricted = head.draft_marginals(&mut head.new_cache(64), &context, 9, 6, 4).unwrap();
+    let mut mask = vec![f32::NEG_INFINITY; head.vocab_size() as usize];
+    for &t in &subset {
+        mask[t as usize] = 0.0;
+    }
+    let masked = &full + tch::Tensor::from_slice(&mask);
+    let expected = glance_spec::tree::Marginals::top_k(&masked, 4).unwrap();
+    assert_eq!(restricted.ids, expected.ids);
+    for (got, want) in restricted.log_probs.iter().flatten().zip(expected.log_probs.iter().flatten()) {
+        assert!((got - want).abs() < 1e-4, "{got} vs {want}");
+    }
+    assert!(head.restrict_vocab(&[1, 1]).is_err() && head.restrict_vocab(&[head.vocab_size()]).is_err());
 }
 
 /// Training on ShareGPT-shaped data for a text-only target: the regenerated responses and their

@@ -29,6 +29,10 @@ pub struct ServiceArgs {
     /// each other, as if each service had its own device (as in production).
     #[arg(long, default_value_t = 1)]
     pub threads_per_service: u32,
+    /// The block head's drafter scores only the N most frequent tokens of its training responses
+    /// (drafter-svc `--draft-vocab`; the head directory needs its `draft_vocab.json`). 0: all.
+    #[arg(long, default_value_t = 0)]
+    pub draft_vocab: usize,
     /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
     /// depth 3 and 7 and its budget-31 tree, each through a drafter (`--eagle-depth`) and a
     /// verifier of its own, and a section comparing them with the block head.
@@ -93,8 +97,10 @@ impl Pair {
 /// the EAGLE-3 ones and the ablation when the setup asks for them.
 pub async fn pairs_and_modes(setup: &Setup) -> (Vec<Pair>, Vec<Mode>) {
     let (head, target) = (setup.head.to_str().expect("utf-8"), setup.target.to_str().expect("utf-8"));
-    let mut pairs =
-        vec![Pair::start(setup, &["--kind", "block-head", "--head", head, "--target", target]).await];
+    let draft_vocab = setup.services.draft_vocab.to_string();
+    let block_head =
+        ["--kind", "block-head", "--head", head, "--target", target, "--draft-vocab", &draft_vocab];
+    let mut pairs = vec![Pair::start(setup, &block_head).await];
     let mut modes = bench::modes(&setup.budgets);
     if let Some(eagle) = &setup.services.eagle3_head {
         let eagle = eagle.to_str().expect("utf-8");

@@ -4,11 +4,13 @@
 //! exactly the greedy tokens — with a randomly initialized block head (misses), with an oracle
 //! drafter whose top branch is the true continuation (deep commits, compaction, EOS inside
 //! accepted runs), with a garbage drafter that also sends malformed trees, with a random EAGLE-3
-//! head (a reduced draft vocabulary), and with prompt lookup; the auto round policy runs over each
+//! head (a reduced draft vocabulary), with a block head scoring only a draft vocabulary
+//! (`--draft-vocab`), and with prompt lookup; the auto round policy runs over each
 //! block-head, EAGLE-3, oracle and garbage drafter too.
 
 use std::path::PathBuf;
 
+use drafter_svc::draft_vocab::DraftVocab;
 use glance_proto::v1 as pb;
 use glance_proto::v1::generation_client::GenerationClient;
 use glance_tests::fixtures;
@@ -124,6 +126,28 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         );
         lookup_rounds += auto.lookup_rounds;
         drop((verifier, drafter));
+
+        if family == "tiny-qwen3-vl" {
+            // The same head scoring only a draft vocabulary (drafter-svc --draft-vocab): the 48
+            // most frequent tokens of the greedy outputs, so its trees hold tokens the target
+            // takes and others it never would.
+            let ranked = DraftVocab::from_responses(prompts.iter().map(|p| p.greedy.as_slice()));
+            ranked.write(&head).expect("draft vocabulary");
+            let drafter = ServiceProcess::drafter(&[
+                "--kind",
+                "block-head",
+                "--head",
+                head.to_str().expect("utf-8"),
+                "--target",
+                dir.to_str().expect("utf-8"),
+                "--draft-vocab",
+                "48",
+            ]);
+            let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+            let what = format!("{family} random head, draft vocabulary of 48, tree");
+            let tree = run_suite(&verifier.url, &prompts, pb::DecodingMode::SpeculativeTree, &what).await;
+            assert!(tree.rounds > 0 && tree.fallback_rounds == 0, "{what}: the head drafted no rounds");
+        }
 
         // The EAGLE-3 peer: a random head over every third token of the vocabulary (a reduced
         // draft vocabulary, mapped back by d2t), drafting 4 deep.

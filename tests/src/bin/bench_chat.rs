@@ -236,14 +236,18 @@ fn report(
     let ar = cells[0].ms_per_token();
     let model = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let mut md = format!(
-        "{model} ({}, {}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service\n\n\
+        "{model} ({}, {}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service{}\n\n\
          | mode | tau | speed-up | ms/token | draft / hop / verify ms per round | rounds accepting depth 1 / 2 / 3 / 4 / 6 / 8 | identical to AR |\n\
          |---|---|---|---|---|---|---|\n",
         args.services.dtype,
         Sampling { temperature: args.temperature }.label(),
         cells[0].prompts,
         args.max_new_tokens,
-        args.services.threads_per_service
+        args.services.threads_per_service,
+        match args.services.draft_vocab {
+            0 => String::new(),
+            n => format!(", the head's draft vocabulary: its {n} most frequent training tokens"),
+        }
     );
     let mut json_modes = Vec::new();
     for (mode, c) in modes.iter().zip(cells) {
@@ -288,7 +292,7 @@ fn report(
     });
     let json = json!({
         "model": model, "dtype": args.services.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
-        "threads_per_service": args.services.threads_per_service, "modes": json_modes, "law": bench::law_json(logs),
+        "threads_per_service": args.services.threads_per_service, "draft_vocab": args.services.draft_vocab, "modes": json_modes, "law": bench::law_json(logs),
         "law_mode": law_name, "peer": peer_json, "matched": matched,
         "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),
     });

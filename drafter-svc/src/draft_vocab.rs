@@ -1,0 +1,100 @@
+//! The draft vocabulary: the target's tokens ranked by how often they occur in the responses a head
+//! was trained on, kept beside the head as `draft_vocab.json`. A drafter serving with
+//! `--draft-vocab N` scores only the N most frequent of them (FR-Spec's frequency-ranked draft
+//! vocabulary; EAGLE-3 heads carry their own as `d2t`). The head's LM-head matmul over the full
+//! vocabulary is most of a draft pass on a large-vocabulary target (SmolLM2: 49,152 x 576 for 15
+//! rows), and it shrinks with N. A token outside the N can never be drafted, so acceptance can
+//! only fall where the target would choose one; the output is unchanged either way, since the
+//! verifier checks every drafted token.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::head::HeadError;
+
+/// The file a head directory keeps its ranked vocabulary in.
+pub const FILE: &str = "draft_vocab.json";
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DraftVocab {
+    /// Token ids, most frequent first (ties: the lower id first). Only tokens that occurred.
+    pub ranked: Vec<i64>,
+    /// How often each occurred, in the order of `ranked`.
+    pub counts: Vec<u64>,
+}
+
+impl DraftVocab {
+    /// Ranks the tokens of `responses` by frequency.
+    pub fn from_responses<'a>(responses: impl IntoIterator<Item = &'a [i64]>) -> Self {
+        let mut counts: std::collections::HashMap<i64, u64> = Default::default();
+        for &token in responses.into_iter().flatten() {
+            *counts.entry(token).or_default() += 1;
+        }
+        let mut ranked: Vec<(i64, u64)> = counts.into_iter().collect();
+        ranked.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let (ranked, counts) = ranked.into_iter().unzip();
+        Self { ranked, counts }
+    }
+
+    /// The `n` most frequent tokens (all of them when fewer occurred).
+    pub fn top(&self, n: usize) -> &[i64] {
+        &self.ranked[..n.min(self.ranked.len())]
+    }
+
+    /// The share of the counted tokens that the `n` most frequent cover.
+    pub fn coverage(&self, n: usize) -> f64 {
+        let total: u64 = self.counts.iter().sum();
+        let covered: u64 = self.counts.iter().take(n).sum();
+        covered as f64 / total.max(1) as f64
+    }
+
+    pub fn read(head_dir: &Path) -> Result<Self, HeadError> {
+        let path = head_dir.join(FILE);
+        let err = |reason: String| HeadError::Config { path: path.display().to_string(), reason };
+        let text = std::fs::read_to_string(&path).map_err(|e| err(e.to_string()))?;
+        let vocab: Self = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+        if vocab.ranked.len() != vocab.counts.len() {
+            return Err(err(format!(
+                "{} ranked tokens but {} counts",
+                vocab.ranked.len(),
+                vocab.counts.len()
+            )));
+        }
+        Ok(vocab)
+    }
+
+    pub fn write(&self, head_dir: &Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(head_dir)?;
+        let text = serde_json::to_string(self).map_err(std::io::Error::other)?;
+        std::fs::write(head_dir.join(FILE), text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_by_frequency_then_id_and_measures_coverage() {
+        let responses: [&[i64]; 2] = [&[5, 3, 5, 9], &[3, 5, 7]];
+        let vocab = DraftVocab::from_responses(responses);
+        assert_eq!(vocab.ranked, vec![5, 3, 7, 9]);
+        assert_eq!(vocab.counts, vec![3, 2, 1, 1]);
+        assert_eq!(vocab.top(2), &[5, 3]);
+        assert_eq!(vocab.top(10).len(), 4);
+        assert!((vocab.coverage(2) - 5.0 / 7.0).abs() < 1e-12);
+        assert_eq!(vocab.coverage(10), 1.0);
+    }
+
+    #[test]
+    fn round_trips_and_refuses_a_torn_file() {
+        let dir = std::env::temp_dir().join(format!("draft-vocab-{}", std::process::id()));
+        let vocab = DraftVocab { ranked: vec![4, 1], counts: vec![9, 2] };
+        vocab.write(&dir).unwrap();
+        assert_eq!(DraftVocab::read(&dir).unwrap(), vocab);
+        std::fs::write(dir.join(FILE), r#"{"ranked":[4,1],"counts":[9]}"#).unwrap();
+        assert!(DraftVocab::read(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
