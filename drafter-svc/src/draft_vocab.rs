@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::head::HeadError;
+use crate::head::{read_json, HeadError};
 
 /// The file a head directory keeps its ranked vocabulary in.
 pub const FILE: &str = "draft_vocab.json";
@@ -52,8 +52,7 @@ impl DraftVocab {
     pub fn read(head_dir: &Path) -> Result<Self, HeadError> {
         let path = head_dir.join(FILE);
         let err = |reason: String| HeadError::Config { path: path.display().to_string(), reason };
-        let text = std::fs::read_to_string(&path).map_err(|e| err(e.to_string()))?;
-        let vocab: Self = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+        let vocab: Self = serde_json::from_value(read_json(&path)?).map_err(|e| err(e.to_string()))?;
         if vocab.ranked.len() != vocab.counts.len() {
             return Err(err(format!(
                 "{} ranked tokens but {} counts",

@@ -128,21 +128,13 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
         drop((verifier, drafter));
 
         if family == "tiny-qwen3-vl" {
-            // The same head scoring only a draft vocabulary (drafter-svc --draft-vocab): the 48
+            // The same head scoring only a draft vocabulary (--draft-vocab, here by its env): the 48
             // most frequent tokens of the greedy outputs, so its trees hold tokens the target
             // takes and others it never would.
             let ranked = DraftVocab::from_responses(prompts.iter().map(|p| p.greedy.as_slice()));
             ranked.write(&head).expect("draft vocabulary");
-            let drafter = ServiceProcess::drafter(&[
-                "--kind",
-                "block-head",
-                "--head",
-                head.to_str().expect("utf-8"),
-                "--target",
-                dir.to_str().expect("utf-8"),
-                "--draft-vocab",
-                "48",
-            ]);
+            let drafter =
+                ServiceProcess::block_head_drafter(&head, &dir, &[("GLANCE_DRAFTER_DRAFT_VOCAB", "48")]);
             let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
             let what = format!("{family} random head, draft vocabulary of 48, tree");
             let tree = run_suite(&verifier.url, &prompts, pb::DecodingMode::SpeculativeTree, &what).await;
