@@ -13,7 +13,7 @@ use glance_spec::session::{
 use glance_spec::tree::{build_budget_tree, TokenId, Tree};
 use tch::{Device, Kind, Tensor};
 
-use crate::draft_vocab::DraftVocab;
+use crate::draft_vocab::DraftVocabChoice;
 use crate::eagle3::{Eagle3Head, TreeShape};
 use crate::head::{DraftHead, HeadError};
 
@@ -40,24 +40,22 @@ pub struct BlockHeadEngine {
 }
 
 impl BlockHeadEngine {
-    /// `draft_vocab`: score only the head directory's N most frequent tokens
-    /// ([`crate::draft_vocab`]); 0 scores the whole vocabulary.
+    /// `draft_vocab`: which tokens the head scores ([`crate::draft_vocab`]).
     pub fn load(
         head_dir: &Path,
         target_dir: &Path,
         kind: Kind,
         device: Device,
         max_context: usize,
-        draft_vocab: usize,
+        draft_vocab: DraftVocabChoice,
     ) -> Result<Self, HeadError> {
         let mut head = DraftHead::load(head_dir, target_dir, kind, device)?;
-        if draft_vocab > 0 {
-            let ranked = DraftVocab::read(head_dir)?;
-            head.restrict_vocab(ranked.top(draft_vocab))?;
+        if let Some((tokens, coverage)) = draft_vocab.resolve(head_dir)? {
+            head.restrict_vocab(&tokens)?;
             tracing::info!(
                 tokens = head.draft_vocab_size(),
                 of = head.vocab_size(),
-                training_coverage = ranked.coverage(draft_vocab),
+                training_coverage = coverage,
                 "draft vocabulary: the head scores the most frequent tokens of its training responses"
             );
         }

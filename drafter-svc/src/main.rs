@@ -3,6 +3,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use drafter_svc::draft_vocab::DraftVocabChoice;
 use drafter_svc::service::{DrafterService, SessionLimits};
 use drafter_svc::{engines, testing};
 use glance_models::weights::{parse_device, parse_kind};
@@ -101,12 +102,13 @@ struct ServeArgs {
     /// terminationGracePeriodSeconds above the preStop delay plus this.
     #[arg(long, env = "GLANCE_DRAFTER_DRAIN_TIMEOUT_S", default_value_t = 120.0)]
     drain_timeout_s: f64,
-    /// Block head: score only the N most frequent tokens of the head's training responses
-    /// (`draft_vocab.json` in the head directory, written by `train`): the LM-head matmul of a
-    /// draft pass shrinks from the whole vocabulary to N rows. Tokens outside are never drafted;
-    /// the output is the same. 0: the whole vocabulary.
-    #[arg(long, env = "GLANCE_DRAFTER_DRAFT_VOCAB", default_value_t = 0)]
-    draft_vocab: usize,
+    /// Block head: which tokens a draft pass scores. `auto`: the tokens of the head's training
+    /// responses (`draft_vocab.json` in the head directory, written by `train`) when the
+    /// directory has that file, else the whole vocabulary; `all`: the whole vocabulary; N: the N
+    /// most frequent of the file's. The LM-head matmul of a draft pass shrinks from the whole
+    /// vocabulary to those rows. Tokens outside are never drafted; the output is the same.
+    #[arg(long, env = "GLANCE_DRAFTER_DRAFT_VOCAB", default_value_t = DraftVocabChoice::Auto)]
+    draft_vocab: DraftVocabChoice,
     /// EAGLE-3: passes per tree after the first, so trees reach `depth + 1` tokens (EAGLE's
     /// own settings: 5 to 7).
     #[arg(long, env = "GLANCE_DRAFTER_EAGLE_DEPTH", default_value_t = 6)]
@@ -303,7 +305,7 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
     let need = |what: &Option<PathBuf>, flag: &str| {
         what.clone().ok_or_else(|| format!("--kind {:?} needs {flag}", args.kind))
     };
-    if args.draft_vocab > 0 && !matches!(args.kind, Kind_::BlockHead) {
+    if matches!(args.draft_vocab, DraftVocabChoice::Top(_)) && !matches!(args.kind, Kind_::BlockHead) {
         return Err(format!(
             "--draft-vocab is for --kind block-head, not {:?} (an EAGLE-3 head carries its own, d2t)",
             args.kind

@@ -369,7 +369,7 @@ mod fuzz {
                 tch::Kind::Float,
                 Device::Cpu,
                 512,
-                0,
+                crate::draft_vocab::DraftVocabChoice::All,
             )
             .expect("the committed toy head")
         })

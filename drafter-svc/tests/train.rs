@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use drafter_svc::draft_vocab::DraftVocabChoice;
 use drafter_svc::head::{DraftHead, DraftHeadConfig};
 use drafter_svc::init::HeadSpec;
 use drafter_svc::train::{block_loss, row_for, train, DataSource, LossVocab, Row, Scored, TrainConfig};
@@ -126,23 +127,31 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
     // The output is a DFlash-layout head the service loads unchanged.
-    assert_eq!(served_tree(&out, &dir, 0).len(), 15);
+    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All).len(), 15);
 
     // Beside it, the training responses' tokens ranked by frequency; served with --draft-vocab 6
-    // the head drafts only the six most frequent.
+    // the head drafts only the six most frequent, and by default (auto) only the file's tokens.
     let ranked = drafter_svc::draft_vocab::DraftVocab::read(&out).unwrap();
     assert!(ranked.ranked.len() > 6 && ranked.counts.windows(2).all(|w| w[0] >= w[1]));
-    let tree = served_tree(&out, &dir, 6);
-    assert_eq!(tree.len(), 15);
-    let allowed: Vec<u32> = ranked.top(6).iter().map(|&t| t as u32).collect();
-    assert!(tree.tokens.iter().all(|t| allowed.contains(t)), "{:?} outside {allowed:?}", tree.tokens);
+    for (choice, allowed) in
+        [(DraftVocabChoice::Top(6), ranked.top(6)), (DraftVocabChoice::Auto, &ranked.ranked[..])]
+    {
+        let tree = served_tree(&out, &dir, choice);
+        assert_eq!(tree.len(), 15);
+        let allowed: Vec<u32> = allowed.iter().map(|&t| t as u32).collect();
+        assert!(
+            tree.tokens.iter().all(|t| allowed.contains(t)),
+            "{choice}: {:?} outside {allowed:?}",
+            tree.tokens
+        );
+    }
 }
 
 /// A budget-15 tree from `head` as drafter-svc's engine serves it (`draft_vocab` as its flag).
 fn served_tree(
     head: &std::path::Path,
     target: &std::path::Path,
-    draft_vocab: usize,
+    draft_vocab: DraftVocabChoice,
 ) -> glance_spec::tree::Tree {
     use drafter_svc::engines::BlockHeadEngine;
     use glance_spec::session::{DraftEngine, RoundInput};

@@ -29,10 +29,11 @@ pub struct ServiceArgs {
     /// each other, as if each service had its own device (as in production).
     #[arg(long, default_value_t = 1)]
     pub threads_per_service: u32,
-    /// The block head's drafter scores only the N most frequent tokens of its training responses
-    /// (drafter-svc `--draft-vocab`; the head directory needs its `draft_vocab.json`). 0: all.
-    #[arg(long, default_value_t = 0)]
-    pub draft_vocab: usize,
+    /// Which tokens the block head's drafter scores (drafter-svc `--draft-vocab`): `auto`, the
+    /// tokens of its training responses when the head directory has their `draft_vocab.json`,
+    /// else all; `all`; or N, the N most frequent of the file's.
+    #[arg(long, default_value_t = drafter_svc::draft_vocab::DraftVocabChoice::Auto)]
+    pub draft_vocab: drafter_svc::draft_vocab::DraftVocabChoice,
     /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
     /// depth 3 and 7 and its budget-31 tree, each through a drafter (`--eagle-depth`) and a
     /// verifier of its own, and a section comparing them with the block head.

@@ -14,6 +14,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use drafter_svc::draft_vocab::DraftVocabChoice;
 use drafter_svc::engines::BlockHeadEngine;
 use glance_device::{crossings, Crossings};
 use glance_input::{PromptBuilder, PromptOptions};
@@ -124,7 +125,8 @@ fn a_round_crosses_the_host_device_boundary_as_counted() {
     // tensor on the wrong device fails the pass instead of passing unnoticed.
     let device = glance_tests::test_device();
     let model = TargetModel::load(&target, Kind::Float, device).expect("toy target");
-    let engine = BlockHeadEngine::load(&head, &target, Kind::Float, device, 4096, 0).expect("toy head");
+    let engine = BlockHeadEngine::load(&head, &target, Kind::Float, device, 4096, DraftVocabChoice::All)
+        .expect("toy head");
     let handshake = engine.handshake();
     let counts = Rc::new(RefCell::new(DrafterCounts::default()));
     let mut provider = WireProvider {

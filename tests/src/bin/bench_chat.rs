@@ -244,9 +244,13 @@ fn report(
         cells[0].prompts,
         args.max_new_tokens,
         args.services.threads_per_service,
-        match args.services.draft_vocab {
-            0 => String::new(),
-            n => format!(", the head's draft vocabulary: its {n} most frequent training tokens"),
+        match args.services.draft_vocab.resolve(&args.head) {
+            Ok(Some((tokens, _))) => format!(
+                ", the head's draft vocabulary (`--draft-vocab {}`): {} of its training responses' tokens",
+                args.services.draft_vocab,
+                tokens.len()
+            ),
+            _ => String::new(),
         }
     );
     let mut json_modes = Vec::new();
@@ -292,7 +296,7 @@ fn report(
     });
     let json = json!({
         "model": model, "dtype": args.services.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
-        "threads_per_service": args.services.threads_per_service, "draft_vocab": args.services.draft_vocab, "modes": json_modes, "law": bench::law_json(logs),
+        "threads_per_service": args.services.threads_per_service, "draft_vocab": args.services.draft_vocab.to_string(), "modes": json_modes, "law": bench::law_json(logs),
         "law_mode": law_name, "peer": peer_json, "matched": matched,
         "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),
     });
