@@ -146,6 +146,8 @@ pub struct Cell {
     pub decode_tokens: u64,
     pub decode_ms: f64,
     pub rounds: u64,
+    /// Target passes: verify rounds, greedy steps (auto's, and fallbacks without a drafter).
+    pub target_passes: u64,
     pub committed: f64,
     pub accepted_per_depth: Vec<u64>,
     pub draft_ms: f64,
@@ -171,10 +173,12 @@ impl Cell {
         self.ms_per_token.iter().sum::<f64>() / self.ms_per_token.len().max(1) as f64
     }
 
-    /// Draft, hop and verify milliseconds per drafted round.
+    /// Draft and hop milliseconds per verify round, and verify milliseconds per target pass (in
+    /// a fixed mode with a drafter, per round; in auto, whose verify time also covers its greedy
+    /// steps, per pass of any kind).
     pub fn round_breakdown(&self) -> [f64; 3] {
         let rounds = self.rounds.max(1) as f64;
-        [self.draft_ms / rounds, self.hop_ms / rounds, self.verify_ms / rounds]
+        [self.draft_ms / rounds, self.hop_ms / rounds, self.verify_ms / self.target_passes.max(1) as f64]
     }
 
     /// Adds one response; returns whether its tokens equal `reference`.
@@ -195,6 +199,12 @@ impl Cell {
 
     fn add_speculative(&mut self, s: &pb::SpeculativeStats) {
         self.rounds += s.rounds as u64;
+        // Auto's steps: not asked, beside the drafter, and in place of a declined or stale tree.
+        let steps = s
+            .auto
+            .as_ref()
+            .map_or(0, |a| a.greedy_steps + a.overlapped_steps + a.declined_trees + a.stale_trees);
+        self.target_passes += u64::from(s.rounds + s.fallback_rounds + steps);
         self.committed += s.mean_accepted_length * s.rounds as f64;
         if self.accepted_per_depth.len() < s.accepted_per_depth.len() {
             self.accepted_per_depth.resize(s.accepted_per_depth.len(), 0);
@@ -217,7 +227,7 @@ impl Cell {
         let round_ms = self.draft_ms + self.hop_ms + self.verify_ms;
         json!({
             "mode": name, "tau": self.tau(), "speedup": speedup, "ms_per_token": self.ms_per_token(),
-            "rounds": self.rounds, "accepted_per_depth": self.accepted_per_depth, "draft_ms": self.draft_ms,
+            "rounds": self.rounds, "target_passes": self.target_passes, "accepted_per_depth": self.accepted_per_depth, "draft_ms": self.draft_ms,
             "hop_ms": self.hop_ms, "verify_ms": self.verify_ms,
             "hop_share": if round_ms > 0.0 { self.hop_ms / round_ms } else { 0.0 },
             "lossless": format!("{}/{}", self.lossless, self.prompts),

@@ -237,7 +237,7 @@ fn report(
     let model = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let mut md = format!(
         "{model} ({}, {}), {} held-out ShareGPT prompts, up to {} new tokens, {} thread(s) per service{}\n\n\
-         | mode | tau | speed-up | ms/token | draft / hop / verify ms per round | rounds accepting depth 1 / 2 / 3 / 4 / 6 / 8 | identical to AR |\n\
+         | mode | tau | speed-up | ms/token | draft / hop ms per verify round, verify ms per target pass | rounds accepting depth 1 / 2 / 3 / 4 / 6 / 8 | identical to AR |\n\
          |---|---|---|---|---|---|---|\n",
         args.services.dtype,
         Sampling { temperature: args.temperature }.label(),
