@@ -57,6 +57,12 @@ struct Args {
     /// for this many tokens with `ignore_eos` (0 skips them).
     #[arg(long, default_value_t = 200)]
     text_tokens: u32,
+    /// Sendings of each held-out request per mode, the modes taking turns (every mode once, then
+    /// again), so that a slow spell of the machine falls on all of them; a prompt's figures are
+    /// its sending with the median decode time. Every sending is checked against the
+    /// autoregressive output.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
     #[command(flatten)]
     services: matched::ServiceArgs,
 }
@@ -109,7 +115,8 @@ async fn main() {
         let warm = request(&warm_up, mode, args.max_new_tokens, Sampling::GREEDY, 0);
         pairs[mode.pair].client.generate(warm).await.expect("warm-up");
     }
-    let total = args.temperatures.len() * Task::ALL.len() * args.prompts as usize * modes.len();
+    let total =
+        args.temperatures.len() * Task::ALL.len() * args.prompts as usize * modes.len() * args.repeats.max(1);
     let bar = indicatif::ProgressBar::new(total as u64);
     let mut runs = Vec::new();
     for &temperature in &args.temperatures {
@@ -119,7 +126,13 @@ async fn main() {
     let text = off_distribution(&args, &mut pairs, &modes).await;
     let plotted = runs.iter().position(|r| r.sampling.is_greedy()).unwrap_or(0);
     let mut json_runs = Vec::new();
-    let mut md = String::new();
+    let mut md = format!(
+        "{} held-out prompts per task, up to {} new tokens, {} in both services; each request sent {} time(s) per mode, the modes taking turns (a prompt's figures: its median sending).\n",
+        args.prompts,
+        args.max_new_tokens,
+        args.services.dtype,
+        args.repeats.max(1)
+    );
     for (i, run) in runs.into_iter().enumerate() {
         let divergences = margins(&args, run.diverged, run.sampling);
         let (mut json, section) = report(&args, &modes, run.sampling, &run.cells, i == plotted);
@@ -136,7 +149,7 @@ async fn main() {
     }
     let mut report = json!({
         "runs": json_runs, "dtype": args.services.dtype, "prompts_per_task": args.prompts,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats.max(1),
     });
     if let Some((json, text_md)) = text {
         report["off_distribution"] = json;
@@ -162,22 +175,41 @@ async fn run(
         for index in 0..args.prompts {
             let s = sample(Split::HeldOut, task, args.seed, index);
             let seed = prompt_seed(args.seed, t, index);
+            let mut sendings: Vec<Vec<pb::GenerateResponse>> = vec![Vec::new(); modes.len()];
+            for _ in 0..args.repeats.max(1) {
+                for (m, mode) in modes.iter().enumerate() {
+                    let asked = request(&s, mode, args.max_new_tokens, sampling, seed);
+                    let r = pairs[mode.pair].client.generate(asked).await.expect("generate").into_inner();
+                    sendings[m].push(r);
+                    bar.inc(1);
+                }
+            }
             let mut reference: Option<Vec<u32>> = None;
-            for (m, mode) in modes.iter().enumerate() {
-                let asked = request(&s, mode, args.max_new_tokens, sampling, seed);
-                let r = pairs[mode.pair].client.generate(asked).await.expect("generate").into_inner();
-                let cell = cells.entry((t, m)).or_default();
-                let ar = reference.get_or_insert_with(|| r.token_ids.clone());
-                if !cell.record(&r, ar) {
+            for (m, responses) in sendings.into_iter().enumerate() {
+                let ar = reference.get_or_insert_with(|| responses[0].token_ids.clone());
+                let r = representative(responses, ar);
+                if !cells.entry((t, m)).or_default().record(&r, ar) {
                     let step = bench::first_difference(&r.token_ids, ar);
                     let label = format!("{}/{index}", task.name());
-                    diverged.push((label, s.messages(), ar[..step].to_vec(), mode.name.clone(), step));
+                    diverged.push((label, s.messages(), ar[..step].to_vec(), modes[m].name.clone(), step));
                 }
-                bar.inc(1);
             }
         }
     }
     Run { sampling, cells, diverged }
+}
+
+/// The sending a prompt's figures come from: the first whose tokens differ from `reference` when
+/// one does (so that the divergence is counted and reported), else the one with the median decode
+/// time.
+fn representative(mut responses: Vec<pb::GenerateResponse>, reference: &[u32]) -> pb::GenerateResponse {
+    if let Some(i) = responses.iter().position(|r| r.token_ids != reference) {
+        return responses.swap_remove(i);
+    }
+    let decode_ms = |r: &pb::GenerateResponse| r.timings.map_or(0.0, |t| t.decode_ms);
+    responses.sort_by(|a, b| decode_ms(a).total_cmp(&decode_ms(b)));
+    let median = responses.len() / 2;
+    responses.swap_remove(median)
 }
 
 /// An output that differs from the autoregressive one: the prompt's label and messages, the
