@@ -1,7 +1,7 @@
 //! The auto round policy (`DECODING_MODE_AUTO`; the arithmetic is `shared/research/round-policy.md`):
 //! before each round, whether to ask the drafter at all; once it has answered, how many of the
 //! tree's best-first nodes to verify; and for a greedy step taken without the drafter, how much
-//! of a prompt-lookup chain to verify instead. All maximise expected committed tokens per second,
+//! of a prompt-lookup tree to verify instead. All maximise expected committed tokens per second,
 //! from costs the server measures on itself and acceptance probabilities calibrated online, so the
 //! same binary verifies small trees where a wide pass is dear (one CPU core, a tiny in-cache
 //! target) and wide ones where it is nearly free (a memory-bound target, a GPU).
@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 
 use glance_spec::law::{self, Form, Round};
-use glance_spec::tree::{TokenId, Tree};
+use glance_spec::tree::Tree;
 
 /// The weight a request's acceptance evidence keeps in the next request (the calibration's and
 /// the law's scale): enough to start where the last one ended, little enough that a request of
@@ -296,7 +296,7 @@ pub struct PolicyStats {
     /// Trees that arrived after those steps had left them (their path did not contain the
     /// committed tokens), so nothing of them was verified.
     pub stale_trees: usize,
-    /// Rounds that verified a prompt-lookup chain in place of a greedy step, their verified
+    /// Rounds that verified a prompt-lookup tree in place of a greedy step, their verified
     /// nodes, and the nodes accepted.
     pub lookup_rounds: usize,
     pub lookup_nodes: usize,
@@ -347,10 +347,11 @@ pub struct RoundPolicy {
     /// Drafter compute and hop per drafted round, seconds.
     pub draft: DraftCost,
     pub calibration: Calibration,
-    /// The same for prompt-lookup chains, indexed by the length of the matched suffix n-gram
-    /// (from the prior of [`RoundPolicy::lookup_chain`] to each depth's observed acceptance). Carried
-    /// whole from request to request: how often text repeats itself is the workload's, and a
-    /// lookup round that does not pay costs a verify pass each time it is relearnt.
+    /// The same for prompt-lookup trees, indexed by the length of the matched suffix n-gram
+    /// (from the prior of [`glance_spec::prompt_lookup::lookup_tree`] to each depth's observed
+    /// acceptance). Carried whole from request to request: how often text repeats itself is the
+    /// workload's, and a lookup round that does not pay costs a verify pass each time it is
+    /// relearnt.
     lookup: Vec<Calibration>,
     pub law: OnlineLaw,
     /// Committed tokens per drafted, verified round, when the law has no fit yet.
@@ -669,34 +670,25 @@ impl RoundPolicy {
         (best, best_expected)
     }
 
-    /// The chain of a prompt-lookup proposal, each token claiming half its parent's probability
-    /// (a lookup says nothing of its own odds): the prior the calibration starts each depth from,
-    /// so an unproven chain is expected to add about one token, not to be accepted whole.
-    pub fn lookup_chain(tokens: &[TokenId]) -> Tree {
-        let mut chain = Tree::default();
-        for (d, &token) in tokens.iter().enumerate() {
-            chain.push(token, d as i32 - 1, (d + 1) as f64 * 0.5f64.ln());
-        }
-        chain
-    }
-
-    /// A prompt-lookup chain (from [`RoundPolicy::lookup_chain`]) found by a suffix n-gram of
-    /// length `ngram`, in place of a greedy step: how many of its first tokens to verify (0: none,
-    /// the step is taken). Free to propose, so only its verify pass is weighed.
-    pub fn choose_lookup_nodes(&self, ngram: usize, chain: &Tree) -> usize {
+    /// A prompt-lookup tree ([`glance_spec::prompt_lookup::lookup_tree`], whose claims halve with
+    /// each depth: an unproven lookup is expected to add about one token, not to be accepted
+    /// whole) found by a suffix n-gram of length `ngram`, in place of a greedy step: how many of
+    /// its best-first nodes to verify (0: none, the step is taken). Free to propose, so only its
+    /// verify pass is weighed.
+    pub fn choose_lookup_nodes(&self, ngram: usize, tree: &Tree) -> usize {
         let acceptance = self.lookup.get(ngram).map_or_else(
-            || Calibration::default().acceptance(chain),
-            |calibration| calibration.acceptance(chain),
+            || Calibration::default().acceptance(tree),
+            |calibration| calibration.acceptance(tree),
         );
         self.best_prefix(&acceptance, Cycle::default()).0
     }
 
-    /// A verified prompt-lookup round: the chain's `verified` first nodes, and the accepted path.
-    pub fn observe_lookup_round(&mut self, ngram: usize, chain: &Tree, verified: usize, path: &[usize]) {
+    /// A verified prompt-lookup round: the tree's `verified` first nodes, and the accepted path.
+    pub fn observe_lookup_round(&mut self, ngram: usize, tree: &Tree, verified: usize, path: &[usize]) {
         if self.lookup.len() <= ngram {
             self.lookup.resize(ngram + 1, Calibration::default());
         }
-        self.lookup[ngram].observe(chain, verified, path);
+        self.lookup[ngram].observe(tree, verified, path);
         self.stats.lookup_rounds += 1;
         self.stats.lookup_nodes += verified;
         self.stats.lookup_accepted += path.len();
@@ -986,7 +978,7 @@ mod tests {
     fn prompt_lookup_chains_are_verified_as_far_as_they_pay() {
         // A 16-row pass costs 1.5 steps (a memory-bound target).
         let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_033));
-        let chain = RoundPolicy::lookup_chain(&[5; 8]);
+        let chain = glance_spec::prompt_lookup::lookup_tree(&[&[5; 8]]);
         // Nothing known yet: the prior (each token half as likely as its parent) verifies a few.
         let first = policy.choose_lookup_nodes(3, &chain);
         assert!((1..=4).contains(&first), "{first}");

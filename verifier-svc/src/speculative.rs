@@ -355,7 +355,7 @@ pub fn speculative_generate(
                 Err(e) => drafting.fail(&mut stats, e),
             }
         }
-        // A step auto takes without asking the drafter may verify a prompt-lookup chain instead.
+        // A step auto takes without asking the drafter may verify a prompt-lookup tree instead.
         // Not while a tree is being drafted: the policy asked for it as the better bet, and
         // tokens committed past its root by lookups shorten what it can still add.
         let mut lookup_ngram = None;
@@ -734,17 +734,17 @@ impl Lookup {
         Self { lookup: PromptLookup::new(max_draft), tokens: Vec::new() }
     }
 
-    /// The n-gram length that matched and the chain to verify in place of a step, if any pays.
+    /// The n-gram length that matched and the lookup tree's best-first prefix to verify in place
+    /// of a step, if any pays.
     fn propose(&mut self, history: &History, root: i64, policy: &RoundPolicy) -> Option<(usize, Tree)> {
         let synced = self.tokens.len();
         self.tokens.extend(history.tokens[synced..history.len].iter().map(|&t| t as TokenId));
         self.tokens.push(root as TokenId);
-        let found =
-            self.lookup.find(&self.tokens).map(|(ngram, tokens)| (ngram, RoundPolicy::lookup_chain(tokens)));
+        let found = self.lookup.find(&self.tokens);
         self.tokens.pop();
-        let (ngram, mut chain) = found?;
-        chain.truncate(policy.choose_lookup_nodes(ngram, &chain));
-        (!chain.is_empty()).then_some((ngram, chain))
+        let (ngram, mut tree) = found?;
+        tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
+        (!tree.is_empty()).then_some((ngram, tree))
     }
 }
 
