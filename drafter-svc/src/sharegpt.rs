@@ -45,6 +45,9 @@ struct Turn {
 pub struct Prompt {
     pub id: String,
     pub text: String,
+    /// The turn answering it, when the next one is the assistant's: the dataset's own answer
+    /// (training regenerates its responses with the target; `bench_lookup` replays these).
+    pub answer: Option<String>,
 }
 
 /// What a read found.
@@ -116,9 +119,11 @@ pub fn parse(text: &str) -> Option<Corpus> {
 }
 
 fn first_human_turn(record: Record) -> Option<Prompt> {
-    let turn = record.conversations.into_iter().next().filter(|t| t.from == "human")?;
+    let mut turns = record.conversations.into_iter();
+    let turn = turns.next().filter(|t| t.from == "human")?;
+    let answer = turns.next().filter(|t| t.from == "gpt").map(|t| t.value);
     let chars = turn.value.chars().count();
-    PROMPT_CHARS.contains(&chars).then_some(Prompt { id: record.id, text: turn.value })
+    PROMPT_CHARS.contains(&chars).then_some(Prompt { id: record.id, text: turn.value, answer })
 }
 
 #[cfg(test)]
@@ -146,6 +151,8 @@ mod tests {
         let ids: Vec<&str> = corpus.train.iter().chain(&corpus.held_out).map(|p| p.id.as_str()).collect();
         assert_eq!(ids.len(), 2, "the short prompt is skipped: {ids:?}");
         assert!(ids.contains(&"a_0") && ids.contains(&"c_0"));
+        let answers = corpus.train.iter().chain(&corpus.held_out).map(|p| p.answer.as_deref());
+        assert!(answers.into_iter().all(|a| a == Some("an answer")));
     }
 
     #[test]
