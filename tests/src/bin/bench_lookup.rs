@@ -32,6 +32,9 @@ struct Args {
     nodes: usize,
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4, 8])]
     branches: Vec<usize>,
+    /// Longest suffix n-gram tried (shorter ones after it).
+    #[arg(long, default_value_t = PromptLookup::new(1).max_ngram)]
+    max_ngram: usize,
 }
 
 fn main() {
@@ -55,8 +58,12 @@ fn main() {
             let truth = &answer[t + 1..(t + 1 + args.nodes).min(answer.len())];
             positions += 1;
             let found = args.branches.iter().map(|&b| {
-                let lookup =
-                    PromptLookup { max_branches: b, max_nodes: args.nodes, ..PromptLookup::new(args.nodes) };
+                let lookup = PromptLookup {
+                    max_branches: b,
+                    max_nodes: args.nodes,
+                    max_ngram: args.max_ngram,
+                    ..PromptLookup::new(args.nodes)
+                };
                 lookup.find(&history).map(|(_, tree)| tree.followed(truth))
             });
             let found: Vec<Option<usize>> = found.collect();
@@ -69,10 +76,11 @@ fn main() {
         }
     }
     println!(
-        "{positions} answer positions, {matched} with a matching suffix; {} nodes a proposal\n\n| occurrences merged | tokens accepted per matched position |\n|---|---|",
-        args.nodes
+        "{positions} answer positions, {matched} with a matching suffix of at most {} tokens; {} nodes a proposal\n\n| occurrences merged | tokens accepted per matched position | per position |\n|---|---|---|",
+        args.max_ngram, args.nodes
     );
     for (b, total) in args.branches.iter().zip(accepted) {
-        println!("| {b} | {:.3} |", total as f64 / matched.max(1) as f64);
+        let per = |n: usize| total as f64 / n.max(1) as f64;
+        println!("| {b} | {:.3} | {:.3} |", per(matched), per(positions));
     }
 }
