@@ -1,11 +1,11 @@
 //! The draft vocabulary: the target's tokens ranked by how often they occur in the responses a head
 //! was trained on, kept beside the head as `draft_vocab.json`. A drafter serving such a head scores
 //! only those tokens (all of them by default, the N most frequent with `--draft-vocab N`:
-//! FR-Spec's frequency-ranked draft vocabulary; EAGLE-3 heads carry their own as `d2t`). The head's LM-head matmul over the full
-//! vocabulary is most of a draft pass on a large-vocabulary target (SmolLM2: 49,152 x 576 for 15
-//! rows), and it shrinks with N. A token outside the N can never be drafted, so acceptance can
-//! only fall where the target would choose one; the output is unchanged either way, since the
-//! verifier checks every drafted token.
+//! FR-Spec's frequency-ranked draft vocabulary; EAGLE-3 heads carry their own as `d2t`). The
+//! head's LM-head matmul over the full vocabulary is most of a draft pass on a large-vocabulary
+//! target (SmolLM2: 49,152 x 576 for 15 rows), and it shrinks with the tokens scored. A token
+//! outside them can never be drafted, so acceptance can only fall where the target would choose
+//! one; the output is unchanged either way, since the verifier checks every drafted token.
 
 use std::path::Path;
 use std::str::FromStr;
