@@ -982,28 +982,24 @@ impl TapRows {
         self.keep.is_empty()
     }
 
-    /// Writes the kept rows into `store` (keep, taps·hidden, on the host), tap by tap into its
-    /// column block: a copy of a view when the kept rows are a prefix of the pass (a greedy step,
-    /// or a chain accepted from the first children), else one `index_select` into the block per
-    /// tap. Host to host: nothing crosses to the device.
+    /// Writes the kept rows into `store` (keep, taps·hidden, on the host), the taps side by side:
+    /// one `cat` into the store when the kept rows are a prefix of the pass (a greedy step, or a
+    /// chain accepted from the first children), else a `cat` of the pass and one `index_select`
+    /// into the store. Host to host: nothing crosses to the device. Few calls on purpose: auto
+    /// writes a row after every greedy step, and a small target's step is mostly call overhead.
     pub fn write_into(&self, store: &Tensor) {
         let rows = self.keep.len() as i64;
         let is_prefix = self.keep.iter().enumerate().all(|(i, &k)| i == k);
-        let index = (!is_prefix)
-            .then(|| glance_models::host_tensor(&self.keep.iter().map(|&k| k as i64).collect::<Vec<_>>()));
-        let mut column = 0;
-        for tap in &self.taps {
-            let width = tap.size()[1];
-            let mut block = store.narrow(1, column, width);
-            match &index {
-                None => {
-                    block.copy_(&tap.narrow(0, 0, rows));
-                }
-                Some(index) => {
-                    let _ = tap.index_select_out(&block, 0, index);
-                }
-            }
-            column += width;
+        if is_prefix {
+            let kept: Vec<Tensor> = self
+                .taps
+                .iter()
+                .map(|tap| if tap.size()[0] == rows { tap.shallow_clone() } else { tap.narrow(0, 0, rows) })
+                .collect();
+            let _ = Tensor::cat_out(store, &kept, 1);
+        } else {
+            let index = glance_models::host_tensor(&self.keep.iter().map(|&k| k as i64).collect::<Vec<_>>());
+            let _ = Tensor::cat(&self.taps, 1).index_select_out(store, 0, &index);
         }
     }
 }
