@@ -18,7 +18,7 @@ use glance_models::kv_cache::KvCache;
 use glance_models::readout::{read_rows, Reads, RowsRead, TokenLogprob};
 use glance_models::sampling::{Draw, Sampling};
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
-use glance_spec::prompt_lookup::PromptLookup;
+use glance_spec::prompt_lookup::{IndexedHistory, PromptLookup};
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
 use tch::{Kind, Tensor};
 
@@ -724,25 +724,24 @@ impl Drafting {
 /// repeat the question's words, it is what pays most where the head is weak.
 struct Lookup {
     lookup: PromptLookup,
-    /// The history's tokens as drafts are spelled, kept in step with it (the root pushed last
-    /// while searching).
-    tokens: Vec<TokenId>,
+    /// The history's tokens as drafts spell them, indexed, kept in step with it.
+    indexed: IndexedHistory,
 }
 
 impl Lookup {
     fn new(max_draft: usize) -> Self {
-        Self { lookup: PromptLookup::new(max_draft), tokens: Vec::new() }
+        let lookup = PromptLookup::new(max_draft);
+        Self { indexed: IndexedHistory::new(lookup.max_ngram), lookup }
     }
 
     /// The n-gram length that matched and the lookup tree's best-first prefix to verify in place
     /// of a step, if any pays.
     fn propose(&mut self, history: &History, root: i64, policy: &RoundPolicy) -> Option<(usize, Tree)> {
-        let synced = self.tokens.len();
-        self.tokens.extend(history.tokens[synced..history.len].iter().map(|&t| t as TokenId));
-        self.tokens.push(root as TokenId);
-        let found = self.lookup.find(&self.tokens);
-        self.tokens.pop();
-        let (ngram, mut tree) = found?;
+        let synced = self.indexed.len();
+        for &token in &history.tokens[synced..history.len] {
+            self.indexed.push(token as TokenId);
+        }
+        let (ngram, mut tree) = self.lookup.find_after(&mut self.indexed, root as TokenId)?;
         tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
         (!tree.is_empty()).then_some((ngram, tree))
     }

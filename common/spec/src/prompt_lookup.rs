@@ -6,6 +6,7 @@
 //! verifier runs it in process and drafter-svc can serve it too.
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 
 use tch::Tensor;
 
@@ -45,12 +46,45 @@ impl PromptLookup {
     /// What [`PromptLookup::propose`] proposes, with the length of the suffix n-gram that matched
     /// (a longer match is a better guess: the auto policy calibrates each length apart); `None`
     /// when nothing matches.
+    /// Scans the whole history for each n-gram length: a reference, and for one-off proposals.
+    /// A caller proposing after every token keeps an [`IndexedHistory`] and asks
+    /// [`PromptLookup::find_after`] instead.
     pub fn find(&self, history: &[TokenId]) -> Option<(usize, Tree)> {
+        self.find_with(history, |n| {
+            let len = history.len();
+            // Start positions s < len − n: the occurrence may overlap the suffix but is not it.
+            (0..len.saturating_sub(n)).rev().filter(move |&s| history[s..s + n] == history[len - n..])
+        })
+    }
+
+    /// What [`PromptLookup::find`] finds in `history`'s tokens followed by `root`, in time
+    /// independent of the history's length: the suffix's earlier occurrences come from the index.
+    pub fn find_after(&self, history: &mut IndexedHistory, root: TokenId) -> Option<(usize, Tree)> {
+        // The root is the caller's pending token, not history: it is searched with, then dropped.
+        history.tokens.push(root);
+        let searched = &*history;
+        let found = self.find_with(&searched.tokens, |n| searched.earlier_occurrences(n));
+        history.tokens.pop();
+        found
+    }
+
+    /// The proposal from the most recent earlier occurrences of the longest suffix n-gram that
+    /// has any; `starts(n)` yields the start positions of the last `n` tokens' earlier
+    /// occurrences (before the suffix itself), the most recent first.
+    fn find_with<I: Iterator<Item = usize>>(
+        &self,
+        history: &[TokenId],
+        starts: impl Fn(usize) -> I,
+    ) -> Option<(usize, Tree)> {
         if self.max_draft == 0 || self.max_branches == 0 {
             return None;
         }
-        (1..=self.max_ngram).rev().find_map(|n| {
-            let continuations = self.continuations(history, n);
+        let len = history.len();
+        (1..=self.max_ngram.min(len.saturating_sub(1))).rev().find_map(|n| {
+            let continuations: Vec<&[TokenId]> = starts(n)
+                .take(self.max_branches)
+                .map(|s| &history[s + n..(s + n + self.max_draft).min(len)])
+                .collect();
             (!continuations.is_empty()).then(|| {
                 let mut tree = lookup_tree(&continuations);
                 tree.truncate(self.max_nodes);
@@ -58,23 +92,71 @@ impl PromptLookup {
             })
         })
     }
+}
 
-    /// The tokens after the most recent earlier occurrences of the last `n` tokens, the most
-    /// recent first (each non-empty).
-    fn continuations<'h>(&self, history: &'h [TokenId], n: usize) -> Vec<&'h [TokenId]> {
-        let len = history.len();
-        if n == 0 || len <= n {
-            return Vec::new();
-        }
-        let suffix = &history[len - n..];
-        // Start positions s < len − n: the occurrence may overlap the suffix but is not it.
-        (0..len - n)
-            .rev()
-            .filter(|&s| &history[s..s + n] == suffix)
-            .take(self.max_branches)
-            .map(|s| &history[s + n..(s + n + self.max_draft).min(len)])
-            .collect()
+/// Committed tokens with, for every n-gram length up to a maximum, the positions where each
+/// n-gram started, so that prompt lookup after every token costs a few hash probes rather than
+/// a scan of the history (auto proposes one before each greedy step it takes).
+#[derive(Clone, Debug, Default)]
+pub struct IndexedHistory {
+    tokens: Vec<TokenId>,
+    /// `starts[n − 1]`: n-gram hash → start positions, increasing. A hash may be shared by other
+    /// n-grams: a lookup compares the tokens.
+    starts: Vec<HashMap<u64, Vec<usize>>>,
+}
+
+impl IndexedHistory {
+    /// An empty history indexing n-grams of up to `max_ngram` tokens (a [`PromptLookup`]'s).
+    pub fn new(max_ngram: usize) -> Self {
+        Self { tokens: Vec::new(), starts: vec![HashMap::new(); max_ngram] }
     }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn tokens(&self) -> &[TokenId] {
+        &self.tokens
+    }
+
+    /// Appends committed tokens, indexing every n-gram they complete.
+    pub fn extend(&mut self, tokens: &[TokenId]) {
+        for &token in tokens {
+            self.push(token);
+        }
+    }
+
+    /// Appends one committed token, indexing the n-grams it ends.
+    pub fn push(&mut self, token: TokenId) {
+        self.tokens.push(token);
+        let len = self.tokens.len();
+        for (n, starts) in (1..=len.min(self.starts.len())).zip(&mut self.starts) {
+            starts.entry(ngram_hash(&self.tokens[len - n..])).or_default().push(len - n);
+        }
+    }
+
+    /// Where the last `n` tokens occurred before (the suffix itself excluded; an occurrence may
+    /// overlap it), the most recent first. Only indexed n-grams count: with the pending root
+    /// pushed last, every earlier occurrence ends in committed history, which is indexed.
+    fn earlier_occurrences(&self, n: usize) -> impl Iterator<Item = usize> + '_ {
+        let len = self.tokens.len();
+        let suffix = &self.tokens[len - n..];
+        let indexed = self.starts.get(n - 1).and_then(|starts| starts.get(&ngram_hash(suffix)));
+        indexed
+            .into_iter()
+            .flat_map(|starts| starts.iter().rev().copied())
+            .filter(move |&s| s < len - n && self.tokens[s..s + n] == *suffix)
+    }
+}
+
+fn ngram_hash(tokens: &[TokenId]) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    tokens.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The continuations (the most recent first) merged into a tree in best-first order. A lookup
@@ -138,13 +220,20 @@ impl DraftEngine for PromptLookupEngine {
     }
 
     fn new_session(&self) -> Box<dyn Session> {
-        Box::new(PromptLookupSession { lookup: self.lookup.clone(), history: TokenHistory::default() })
+        Box::new(PromptLookupSession {
+            lookup: self.lookup.clone(),
+            history: TokenHistory::default(),
+            indexed: IndexedHistory::new(self.lookup.max_ngram),
+        })
     }
 }
 
 struct PromptLookupSession {
     lookup: PromptLookup,
+    /// The context as received (what checks the verifier's positions).
     history: TokenHistory,
+    /// The same tokens, indexed for the lookup.
+    indexed: IndexedHistory,
 }
 
 impl Session for PromptLookupSession {
@@ -154,12 +243,15 @@ impl Session for PromptLookupSession {
         tokens: &[TokenId],
         _: Option<Tensor>,
     ) -> Result<(), DraftError> {
-        self.history.append(first, tokens)
+        self.history.append(first, tokens)?;
+        self.indexed.extend(tokens);
+        Ok(())
     }
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
-        let mut tree = self.lookup.propose(&self.history.with_root(round.root_token));
+        let found = self.lookup.find_after(&mut self.indexed, round.root_token);
+        let mut tree = found.map(|(_, tree)| tree).unwrap_or_default();
         tree.truncate(round.budget);
         Ok(tree)
     }
@@ -244,6 +336,27 @@ mod tests {
         assert!(PromptLookup::new(0).propose(&[1, 1, 1]).is_empty());
         assert_eq!(pld.find(&[1, 2, 9, 1, 2]).map(|(n, t)| (n, t.tokens)), Some((2, vec![9, 1, 2])));
         assert_eq!(pld.find(&[1, 2, 3, 4]), None);
+    }
+
+    proptest::proptest! {
+        /// The index finds what the scan finds, token by token, over histories small alphabets
+        /// make repetitive (and n-gram lengths past the history's).
+        #[test]
+        fn the_indexed_history_finds_what_the_scan_finds(
+            tokens in proptest::collection::vec(0u32..4, 0..60),
+            max_ngram in 1usize..5,
+            max_draft in 0usize..6,
+            max_branches in 0usize..5,
+        ) {
+            let lookup = PromptLookup { max_ngram, max_branches, ..PromptLookup::new(max_draft) };
+            let mut indexed = IndexedHistory::new(max_ngram);
+            for (i, &root) in tokens.iter().enumerate() {
+                let scanned = lookup.find(&tokens[..=i]);
+                proptest::prop_assert_eq!(lookup.find_after(&mut indexed, root), scanned);
+                proptest::prop_assert_eq!(indexed.len(), i);
+                indexed.extend(&[root]);
+            }
+        }
     }
 
     #[test]
