@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use glance_codec as codec;
 use glance_proto::drafter::v1 as pb;
 use glance_spec::session::{DraftEngine, DraftError, RoundInput, Session};
+use glance_telemetry::ROUND_SPANS;
 use tch::Device;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
@@ -235,7 +236,7 @@ fn answer(
     span: &tracing::Span,
 ) -> Result<Option<pb::DraftResponse>, Status> {
     let rows = message.context.as_ref().map_or(0, |c| c.tokens.len());
-    let round_span = tracing::info_span!(parent: span, "draft_round", rows);
+    let round_span = tracing::info_span!(target: ROUND_SPANS, parent: span, "draft_round", rows);
     let handled = catch_unwind(AssertUnwindSafe(|| {
         // Grad mode is per thread, and the task may run on another worker each round.
         let _no_grad = tch::no_grad_guard();

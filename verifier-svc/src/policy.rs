@@ -326,6 +326,37 @@ impl PolicyStats {
     }
 }
 
+/// When to verify a prompt-lookup tree that the calibration declines anyway: its first node, as a
+/// probe. Acceptance is learnt only from verified nodes, and a lookup calibration is carried from
+/// request to request, so without probes a matched n-gram length whose first few lookups failed
+/// would never be tried again on this server, however well the text it serves later repeats
+/// itself (on the toy world's doc request the lookups that do get verified add about 3%). The
+/// probes back off as the drafter's do: 1, 2, 4 … `RoundPolicy::MAX_WAIT` declined lookups apart
+/// while they keep failing, at most a verify pass of two rows in place of a step each time.
+#[derive(Clone, Copy, Debug, Default)]
+struct LookupProbe {
+    wait: u32,
+    streak: u32,
+}
+
+impl LookupProbe {
+    /// A declined lookup: whether to probe it now (and if so, how long to wait for the next).
+    fn due(&mut self) -> bool {
+        if self.wait > 0 {
+            self.wait -= 1;
+            return false;
+        }
+        self.wait = (1u32 << self.streak).min(RoundPolicy::MAX_WAIT);
+        self.streak = (self.streak + 1).min(RoundPolicy::MAX_WAIT.trailing_zeros());
+        true
+    }
+
+    /// A lookup the calibration chose to verify: the back-off starts over.
+    fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
 /// What a verified round's cycle holds beyond the round itself: tokens, and seconds.
 #[derive(Clone, Copy, Debug, Default)]
 struct Cycle {
@@ -353,6 +384,8 @@ pub struct RoundPolicy {
     /// workload's, and a lookup round that does not pay costs a verify pass each time it is
     /// relearnt.
     lookup: Vec<Calibration>,
+    /// When to verify a lookup tree the calibration declines anyway, per matched n-gram length.
+    lookup_probes: Vec<LookupProbe>,
     pub law: OnlineLaw,
     /// Committed tokens per drafted, verified round, when the law has no fit yet.
     recent_commit: Ewma,
@@ -675,12 +708,23 @@ impl RoundPolicy {
     /// whole) found by a suffix n-gram of length `ngram`, in place of a greedy step: how many of
     /// its best-first nodes to verify (0: none, the step is taken). Free to propose, so only its
     /// verify pass is weighed.
-    pub fn choose_lookup_nodes(&self, ngram: usize, tree: &Tree) -> usize {
+    /// Where none pays, the first node now and then all the same ([`LookupProbe`]).
+    pub fn choose_lookup_nodes(&mut self, ngram: usize, tree: &Tree) -> usize {
         let acceptance = self.lookup.get(ngram).map_or_else(
             || Calibration::default().acceptance(tree),
             |calibration| calibration.acceptance(tree),
         );
-        self.best_prefix(&acceptance, Cycle::default()).0
+        let best = self.best_prefix(&acceptance, Cycle::default()).0;
+        if self.lookup_probes.len() <= ngram {
+            self.lookup_probes.resize(ngram + 1, LookupProbe::default());
+        }
+        let probe = &mut self.lookup_probes[ngram];
+        if best > 0 {
+            probe.reset();
+            best
+        } else {
+            usize::from(!tree.is_empty() && probe.due())
+        }
     }
 
     /// A verified prompt-lookup round: the tree's `verified` first nodes, and the accepted path.
@@ -988,19 +1032,64 @@ mod tests {
         }
         let n = policy.choose_lookup_nodes(3, &chain);
         assert!((4..=5).contains(&n), "{n}");
-        // Unigram matches that never hold: not verified at all, the step is taken.
+        // Unigram matches that never hold: the step is taken, but for a one-node probe now and
+        // then.
         for _ in 0..30 {
             policy.observe_lookup_round(1, &chain, 8, &[]);
         }
-        assert_eq!(policy.choose_lookup_nodes(1, &chain), 0);
         assert_eq!(policy.stats.lookup_rounds, 60);
         assert_eq!(policy.stats.lookup_accepted, 120);
+        assert_probes_back_off(&mut policy, 1, &chain);
         // On a target where each row costs a step, even the good matches do not pay.
         let mut steep = RoundPolicy::with_costs(costs(0.001, 0.001));
         for _ in 0..30 {
             steep.observe_lookup_round(3, &chain, 8, &[0]);
         }
-        assert_eq!(steep.choose_lookup_nodes(3, &chain), 0);
+        assert_probes_back_off(&mut steep, 3, &chain);
+    }
+
+    /// Over 200 lookups the calibration declines, with probes that fail: the first one probed at
+    /// once, then ever fewer (1, 2, 4 … 64 apart), never more than the first node.
+    fn assert_probes_back_off(policy: &mut RoundPolicy, ngram: usize, tree: &Tree) {
+        let choices: Vec<usize> = (0..200)
+            .map(|_| {
+                let n = policy.choose_lookup_nodes(ngram, tree);
+                if n > 0 {
+                    policy.observe_lookup_round(ngram, tree, n, &[]);
+                }
+                n
+            })
+            .collect();
+        let probes: Vec<usize> = (0..choices.len()).filter(|&i| choices[i] > 0).collect();
+        assert!(choices.iter().all(|&n| n <= 1), "{choices:?}");
+        assert_eq!(probes[..8], [0, 2, 5, 10, 19, 36, 69, 134], "{probes:?}");
+        assert_eq!(probes.len(), 9, "{probes:?}");
+    }
+
+    #[test]
+    fn a_lookup_length_declined_early_comes_back_once_its_probes_hold() {
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_033));
+        let chain = glance_spec::prompt_lookup::lookup_tree(&[&[5; 8]]);
+        // A server's first unigram lookups all fail: declined (but for the first probe).
+        for _ in 0..30 {
+            policy.observe_lookup_round(1, &chain, 8, &[]);
+        }
+        assert_eq!(policy.choose_lookup_nodes(1, &chain), 1);
+        policy.observe_lookup_round(1, &chain, 1, &[]);
+        assert_eq!(policy.choose_lookup_nodes(1, &chain), 0);
+        // Then the text starts repeating itself: the next probe's token holds, and from then on
+        // the calibration verifies the lookups by itself, every time.
+        let verified: Vec<usize> = (0..20)
+            .map(|_| {
+                let n = policy.choose_lookup_nodes(1, &chain);
+                if n > 0 {
+                    policy.observe_lookup_round(1, &chain, n, &(0..n.min(3)).collect::<Vec<_>>());
+                }
+                n
+            })
+            .collect();
+        assert_eq!(verified[0], 1, "the probe is due: {verified:?}");
+        assert!(verified[1..].iter().all(|&n| n >= 1), "{verified:?}");
     }
 
     #[test]

@@ -20,6 +20,7 @@ use glance_models::sampling::{Draw, Sampling};
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
 use glance_spec::prompt_lookup::{IndexedHistory, PromptLookup};
 use glance_spec::tree::{TokenId, Tree, TreeLimits};
+use glance_telemetry::ROUND_SPANS;
 use tch::{Kind, Tensor};
 
 use crate::policy::{PolicyStats, RoundPolicy, VerifyCost};
@@ -320,7 +321,7 @@ pub fn speculative_generate(
     let mut idle = Duration::ZERO;
     while alive {
         let start = cache.len();
-        let _round = tracing::info_span!("round", position = start).entered();
+        let _round = tracing::info_span!(target: ROUND_SPANS, "round", position = start).entered();
         // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
         let ask = Ask { history: &history, root, start, root_entropy };
         let mut greedy = drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
@@ -332,7 +333,8 @@ pub fn speculative_generate(
             });
             let waited = Instant::now();
             let reply = {
-                let _wait = (!overlap).then(|| tracing::info_span!("draft_wait").entered());
+                let _wait =
+                    (!overlap).then(|| tracing::info_span!(target: ROUND_SPANS, "draft_wait").entered());
                 s.receive(if overlap { Duration::ZERO } else { Duration::MAX })
             };
             match reply {
@@ -359,13 +361,13 @@ pub fn speculative_generate(
         // Not while a tree is being drafted: the policy asked for it as the better bet, and
         // tokens committed past its root by lookups shorten what it can still add.
         let mut lookup_ngram = None;
-        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref(), greedy) {
+        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
             if let Some((ngram, chain)) = lookup.propose(&history, root, p) {
                 (lookup_ngram, round) = (Some(ngram), Some(chain));
             }
         }
         let verify_started = Instant::now();
-        let verify_span = tracing::info_span!("verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
+        let verify_span = tracing::info_span!(target: ROUND_SPANS, "verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
         let entered = verify_span.enter();
         let drafted = round.is_some();
         let rows = 1 + round.as_ref().map_or(0, Tree::len);
@@ -451,7 +453,7 @@ pub fn speculative_generate(
             let ask = Ask { history: &history, root, start: cache.len(), root_entropy };
             drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         }
-        let _commit = tracing::info_span!("commit", tokens = new_positions).entered();
+        let _commit = tracing::info_span!(target: ROUND_SPANS, "commit", tokens = new_positions).entered();
         let mut logprobs = logprobs.into_iter();
         for (i, &token) in committed[1..].iter().enumerate() {
             // Every token but the last of a drafted round is an accepted draft token.
@@ -615,7 +617,7 @@ fn send_round(
         branch_k: spec.branch_k,
     };
     let _span =
-        tracing::info_span!("draft", context_rows = history.len - from, budget = spec.budget).entered();
+        tracing::info_span!(target: ROUND_SPANS, "draft", context_rows = history.len - from, budget = spec.budget).entered();
     session.send(round)
 }
 
@@ -736,7 +738,7 @@ impl Lookup {
 
     /// The n-gram length that matched and the lookup tree's best-first prefix to verify in place
     /// of a step, if any pays.
-    fn propose(&mut self, history: &History, root: i64, policy: &RoundPolicy) -> Option<(usize, Tree)> {
+    fn propose(&mut self, history: &History, root: i64, policy: &mut RoundPolicy) -> Option<(usize, Tree)> {
         let synced = self.indexed.len();
         for &token in &history.tokens[synced..history.len] {
             self.indexed.push(token as TokenId);
