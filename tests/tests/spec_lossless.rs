@@ -218,7 +218,10 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
             let lookup_committed = overlap.lookup_rounds + overlap.lookup_accepted_tokens;
             let oracle_tau = (slow.mean_accepted_length * slow.rounds as f64 - lookup_committed as f64)
                 / oracle_rounds as f64;
-            assert!(oracle_tau > 2.0, "{what}: the oracle's subtrees committed {oracle_tau} a round");
+            // The oracle's first child below the steps' path is always right, so each of its rounds
+            // commits that node and the bonus at least (exactly that where the steps left the
+            // tree one level, on a fast machine); fewer means another subtree was verified.
+            assert!(oracle_tau >= 2.0 - 1e-9, "{what}: the oracle's subtrees committed {oracle_tau} a round");
         }
         drop((verifier, drafter));
 
