@@ -346,8 +346,7 @@ impl LookupProbe {
             self.wait -= 1;
             return false;
         }
-        self.wait = (1u32 << self.streak).min(RoundPolicy::MAX_WAIT);
-        self.streak = (self.streak + 1).min(RoundPolicy::MAX_WAIT.trailing_zeros());
+        (self.wait, self.streak) = back_off_after(self.streak);
         true
     }
 
@@ -786,9 +785,15 @@ impl RoundPolicy {
 
     /// Waits 1, 2, 4 … MAX_WAIT greedy steps before the next probe, doubling on each failure.
     fn back_off(&mut self) {
-        self.wait = (1u32 << self.streak).min(Self::MAX_WAIT);
-        self.streak = (self.streak + 1).min(Self::MAX_WAIT.trailing_zeros());
+        (self.wait, self.streak) = back_off_after(self.streak);
     }
+}
+
+/// The probes' back-off (the drafter's and the lookups'): after `streak` failures in a row, the
+/// wait before the next probe (1, 2, 4 … `RoundPolicy::MAX_WAIT`) and the streak with this one.
+fn back_off_after(streak: u32) -> (u32, u32) {
+    let wait = (1u32 << streak).min(RoundPolicy::MAX_WAIT);
+    (wait, (streak + 1).min(RoundPolicy::MAX_WAIT.trailing_zeros()))
 }
 
 /// Synthetic drafters and cost curves the policy's tests (and its memory's) drive it with.

@@ -46,6 +46,7 @@ impl PromptLookup {
     /// What [`PromptLookup::propose`] proposes, with the length of the suffix n-gram that matched
     /// (a longer match is a better guess: the auto policy calibrates each length apart); `None`
     /// when nothing matches.
+    ///
     /// Scans the whole history for each n-gram length: a reference, and for one-off proposals.
     /// A caller proposing after every token keeps an [`IndexedHistory`] and asks
     /// [`PromptLookup::find_after`] instead.
@@ -117,10 +118,6 @@ impl IndexedHistory {
 
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
-    }
-
-    pub fn tokens(&self) -> &[TokenId] {
-        &self.tokens
     }
 
     /// Appends committed tokens, indexing every n-gram they complete.
