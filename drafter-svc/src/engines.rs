@@ -10,7 +10,7 @@ use glance_models::TargetConfig;
 use glance_spec::session::{
     DraftEngine, DraftError, DrafterKind, Handshake, RoundInput, Session, TokenHistory, MAX_TREE_NODES,
 };
-use glance_spec::tree::{build_budget_tree, TokenId, Tree};
+use glance_spec::tree::{build_budget_tree, extend_spine, TokenId, Tree};
 use tch::{Device, Kind, Tensor};
 
 use crate::draft_vocab::DraftVocabChoice;
@@ -178,7 +178,11 @@ impl Session for BlockHeadSession {
                 round.branch_k,
             )
             .map_err(|e| DraftError::Internal(e.to_string()))?;
-        Ok(build_budget_tree(&marginals, round.budget.min(MAX_TREE_NODES), round.branch_k))
+        let mut tree = build_budget_tree(&marginals, round.budget.min(MAX_TREE_NODES), round.branch_k);
+        if round.spine {
+            extend_spine(&mut tree, &marginals);
+        }
+        Ok(tree)
     }
 }
 

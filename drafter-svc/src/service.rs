@@ -337,6 +337,7 @@ fn handle(
         root_position: round.root_position as usize,
         budget: round.tree_budget.max(1) as usize,
         branch_k: round.branch_k.max(1) as usize,
+        spine: round.spine,
     };
     let tree = session.draft(&input).map_err(status_of)?;
     Ok(Some(codec::tree_response(tree, started.elapsed().as_secs_f64() * 1e3)))
@@ -438,6 +439,7 @@ mod fuzz {
             root_position: position.unwrap_or(end),
             tree_budget: budget,
             branch_k: k,
+            spine: false,
         });
         pb::DraftRequest { context: Some(pb::ContextRows { first_position, tokens, states }), round }
     }

@@ -159,6 +159,7 @@ fn the_session_grows_eagle_trees_over_its_context() {
             root_position: first + rows,
             budget: reference.setting("budget"),
             branch_k: reference.setting("top_k"),
+            spine: false,
         };
         let tree = session.draft(&round).expect("a tree");
         let limits =

@@ -127,7 +127,18 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
     // The output is a DFlash-layout head the service loads unchanged.
-    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All).len(), 15);
+    let tree = served_tree(&out, &dir, DraftVocabChoice::All, false);
+    assert_eq!(tree.len(), 15);
+    // Asked for its spine (as auto asks), the same tree with the top token of every offset down
+    // to the block's last appended below it.
+    let spined = served_tree(&out, &dir, DraftVocabChoice::All, true);
+    let mut head_of_it = spined.clone();
+    head_of_it.truncate(15);
+    assert_eq!(head_of_it, tree);
+    assert_eq!(spined.spine().iter().filter(|&&s| s).count(), 15, "{spined:?}");
+    assert_eq!(spined.depths.iter().max(), Some(&15));
+    let limits = glance_spec::tree::TreeLimits { vocab: 1 << 20, max_nodes: 30, max_depth: 15 };
+    assert_eq!(spined.validate(limits), Ok(()));
 
     // Beside it, the training responses' tokens ranked by frequency; served with --draft-vocab 6
     // the head drafts only the six most frequent, and by default (auto) only the file's tokens.
@@ -136,7 +147,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     for (choice, allowed) in
         [(DraftVocabChoice::Top(6), ranked.top(6)), (DraftVocabChoice::Auto, &ranked.ranked[..])]
     {
-        let tree = served_tree(&out, &dir, choice);
+        let tree = served_tree(&out, &dir, choice, false);
         assert_eq!(tree.len(), 15);
         let allowed: Vec<u32> = allowed.iter().map(|&t| t as u32).collect();
         assert!(
@@ -147,11 +158,13 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     }
 }
 
-/// A budget-15 tree from `head` as drafter-svc's engine serves it (`draft_vocab` as its flag).
+/// A budget-15 tree from `head` as drafter-svc's engine serves it (`draft_vocab` as its flag),
+/// with its spine to the block's last offset if `spine`.
 fn served_tree(
     head: &std::path::Path,
     target: &std::path::Path,
     draft_vocab: DraftVocabChoice,
+    spine: bool,
 ) -> glance_spec::tree::Tree {
     use drafter_svc::engines::BlockHeadEngine;
     use glance_spec::session::{DraftEngine, RoundInput};
@@ -159,7 +172,7 @@ fn served_tree(
     let mut session = engine.new_session();
     let states = tch::Tensor::zeros([5, 3 * 64], (Kind::Float, Device::Cpu));
     session.append_context(0, &[1, 2, 3, 4, 5], Some(states)).unwrap();
-    session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4 }).unwrap()
+    session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine }).unwrap()
 }
 
 /// A draft vocabulary changes only which tokens are scored: the marginals are the full pass's

@@ -97,6 +97,7 @@ impl DraftSession for WireSession {
             root_position: round.root_position,
             budget: round.budget,
             branch_k: round.branch_k,
+            spine: round.spine,
         };
         let tree = self.session.draft(&input).unwrap();
         let mut counts = self.counts.borrow_mut();

@@ -765,6 +765,7 @@ impl DraftSession for RemoteSession {
                 root_position: round.root_position as u64,
                 tree_budget: round.budget as u32,
                 branch_k: round.branch_k as u32,
+                spine: round.spine,
             });
         }
         self.bytes_sent += messages.iter().map(|m| prost::Message::encoded_len(m) as u64).sum::<u64>();

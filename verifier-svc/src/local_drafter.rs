@@ -60,6 +60,7 @@ impl LocalSession {
             root_position: round.root_position,
             budget: round.budget,
             branch_k: round.branch_k,
+            spine: round.spine,
         };
         let tree = self.session.draft(&input).map_err(failed)?;
         let elapsed = started.elapsed();

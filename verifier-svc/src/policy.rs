@@ -147,11 +147,16 @@ impl VerifyCost {
 
 /// Per depth, how often the drafter's path probability turns out right: the calibrated
 /// acceptance of a node is `clamp(α_d · q, 0, 1)` with `α_d` = accepted nodes / Σ q at depth d,
-/// both decayed so that the estimate follows the request.
+/// both decayed so that the estimate follows the request. The tree's spine (each offset's top
+/// token, [`Tree::spine`]) and the nodes off it are calibrated apart: a block head's marginals
+/// may undersell its spine far down the block (on the toy world's charts a spine node claiming
+/// 0.3 is accepted nearly always) while its siblings there are the ones that miss.
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
-    /// (Σ q, accepted) per depth − 1.
-    depths: Vec<(f64, f64)>,
+    /// (Σ q, accepted) per depth − 1, on the spine.
+    spine: Vec<(f64, f64)>,
+    /// The same off the spine.
+    off_spine: Vec<(f64, f64)>,
 }
 
 impl Calibration {
@@ -159,17 +164,18 @@ impl Calibration {
     /// Pseudo-observations that start α at 1 (trust the drafter until shown otherwise).
     const PRIOR: f64 = 0.5;
 
-    pub fn factor(&self, depth: usize) -> f64 {
-        let (claimed, accepted) = self.depths.get(depth.saturating_sub(1)).copied().unwrap_or_default();
+    pub fn factor(&self, depth: usize, on_spine: bool) -> f64 {
+        let depths = if on_spine { &self.spine } else { &self.off_spine };
+        let (claimed, accepted) = depths.get(depth.saturating_sub(1)).copied().unwrap_or_default();
         (accepted + Self::PRIOR) / (claimed + Self::PRIOR)
     }
 
     /// Calibrated acceptance probability of each node (a path never more likely than its parent).
     pub fn acceptance(&self, tree: &Tree) -> Vec<f64> {
         let mut out: Vec<f64> = Vec::with_capacity(tree.len());
-        for i in 0..tree.len() {
+        for (i, on_spine) in tree.spine().into_iter().enumerate() {
             let q = tree.log_probs[i].exp();
-            let a = (self.factor(tree.depths[i] as usize) * q).clamp(0.0, 1.0);
+            let a = (self.factor(tree.depths[i] as usize, on_spine) * q).clamp(0.0, 1.0);
             let parent = usize::try_from(tree.parents[i]).ok().map_or(1.0, |p| out[p]);
             out.push(a.min(parent));
         }
@@ -180,28 +186,40 @@ impl Calibration {
     /// request of another kind (a chart after documents the head keeps missing, with the same
     /// confident claims) is not judged for long by the last one's acceptance.
     pub fn for_new_request(&self) -> Self {
-        Self {
-            depths: self.depths.iter().map(|&(q, a)| (q * CARRIED_EVIDENCE, a * CARRIED_EVIDENCE)).collect(),
-        }
+        let carried = |depths: &[(f64, f64)]| -> Vec<(f64, f64)> {
+            depths.iter().map(|&(q, a)| (q * CARRIED_EVIDENCE, a * CARRIED_EVIDENCE)).collect()
+        };
+        Self { spine: carried(&self.spine), off_spine: carried(&self.off_spine) }
     }
 
     /// Records the verified nodes `0..verified` and which of them were accepted.
     pub fn observe(&mut self, tree: &Tree, verified: usize, accepted: &[usize]) {
-        for entry in &mut self.depths {
+        for entry in self.spine.iter_mut().chain(&mut self.off_spine) {
             entry.0 *= Self::DECAY;
             entry.1 *= Self::DECAY;
         }
-        for i in 0..verified.min(tree.len()) {
+        for (i, on_spine) in tree.spine().into_iter().enumerate().take(verified) {
+            let depths = if on_spine { &mut self.spine } else { &mut self.off_spine };
             let d = tree.depths[i] as usize - 1;
-            if self.depths.len() <= d {
-                self.depths.resize(d + 1, (0.0, 0.0));
+            if depths.len() <= d {
+                depths.resize(d + 1, (0.0, 0.0));
             }
-            self.depths[d].0 += tree.log_probs[i].exp();
+            depths[d].0 += tree.log_probs[i].exp();
             if accepted.contains(&i) {
-                self.depths[d].1 += 1.0;
+                depths[d].1 += 1.0;
             }
         }
     }
+}
+
+/// The nodes of a tree in the order the policy would verify them: by calibrated `acceptance`,
+/// highest first, ties in packed order. A node is never more likely than its parent, which comes
+/// earlier in the packed order, so every prefix of this order is a tree (each node's parent in
+/// it).
+fn by_acceptance(acceptance: &[f64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..acceptance.len()).collect();
+    order.sort_by(|&a, &b| acceptance[b].total_cmp(&acceptance[a]).then(a.cmp(&b)));
+    order
 }
 
 /// The entropy law fitted online on the rounds seen (a window that spans requests): per-token
@@ -622,27 +640,30 @@ impl RoundPolicy {
         self.settle_flight(0.0, 0.0, None);
     }
 
-    /// After the drafter answered: how many of the tree's first nodes to verify (0: none, the round
-    /// is a greedy step). While drafting goes on, every verified round is followed by the next
-    /// draft, and the wider the round, the fewer drafts per token: so n maximises the tokens of
-    /// the cycle (the round's E(n), and the greedy steps the next draft overlaps) over its time
-    /// (t_verify(1 + n) and that draft's), against a greedy step's rate. When no cycle beats
-    /// greedy decoding, drafting will stop, and this draft is paid already: then the verify pass
-    /// is weighed alone, argmax over n of E(n) / t_verify(1 + n).
-    pub fn choose_nodes(&mut self, tree: &Tree) -> usize {
+    /// After the drafter answered: which of the tree's nodes to verify (ascending; none: the
+    /// round is a greedy step), the n most likely ones by the calibrated acceptance (a tree of
+    /// its own, [`Tree::select`]). While drafting goes on, every verified round is followed by
+    /// the next draft, and the wider the round, the fewer drafts per token: so n maximises the
+    /// tokens of the cycle (the round's E(n), and the greedy steps the next draft overlaps) over
+    /// its time (t_verify(1 + n) and that draft's), against a greedy step's rate. When no cycle
+    /// beats greedy decoding, drafting will stop, and this draft is paid already: then the verify
+    /// pass is weighed alone, argmax over n of E(n) / t_verify(1 + n).
+    pub fn choose_nodes(&mut self, tree: &Tree) -> Vec<usize> {
         // Probes after a back-off choose like any round: depths never verified keep the optimistic
         // prior, so they are tried as soon as they could pay.
         self.explore = false;
+        let acceptance = self.calibration.acceptance(tree);
         if self.warm_up_rounds < Self::WARM_UP_ROUNDS {
             self.warm_up_rounds += 1;
-            let expected = 1.0 + self.calibration.acceptance(tree).iter().sum::<f64>();
+            let expected = 1.0 + acceptance.iter().sum::<f64>();
             self.pending = Some(Pending { expected });
-            return tree.len();
+            return (0..tree.len()).collect();
         }
-        let acceptance = self.calibration.acceptance(tree);
-        let mut choice = self.best_prefix(&acceptance, self.next_draft().unwrap_or_default());
+        let order = by_acceptance(&acceptance);
+        let sorted: Vec<f64> = order.iter().map(|&i| acceptance[i]).collect();
+        let mut choice = self.best_prefix(&sorted, self.next_draft().unwrap_or_default());
         if choice.0 == 0 {
-            choice = self.best_prefix(&acceptance, Cycle::default());
+            choice = self.best_prefix(&sorted, Cycle::default());
         }
         let (best, best_expected) = choice;
         tracing::debug!(
@@ -661,7 +682,9 @@ impl RoundPolicy {
         } else {
             self.pending = Some(Pending { expected: best_expected });
         }
-        best
+        let mut chosen = order[..best].to_vec();
+        chosen.sort_unstable();
+        chosen
     }
 
     /// What the next draft adds to a verified round's cycle, as the policy expects it.
@@ -677,10 +700,11 @@ impl RoundPolicy {
         Cycle { tokens: steps as f64, secs: steps as f64 * overlapped + idle }
     }
 
-    /// The best-first prefix of n nodes (of acceptance probabilities `acceptance`) that maximises
-    /// expected committed tokens per second of its round with `cycle` added to it (n = 0 being the
-    /// greedy step, which has no cycle), and the tokens the round is expected to commit. With a
-    /// cost not yet measured, the whole tree (so its cost gets measured).
+    /// The first n nodes (of acceptance probabilities `acceptance`, in the order they would be
+    /// verified) that maximise expected committed tokens per second of their round with `cycle`
+    /// added to it (n = 0 being the greedy step, which has no cycle), and the tokens the round is
+    /// expected to commit. With a cost not yet measured, the whole tree (so its cost gets
+    /// measured).
     fn best_prefix(&self, acceptance: &[f64], cycle: Cycle) -> (usize, f64) {
         let (mut best, mut best_rate, mut best_expected) = (0usize, f64::NEG_INFINITY, 1.0);
         let mut expected = 1.0;
@@ -835,7 +859,7 @@ pub(crate) mod test_support {
             }
             policy.observe_draft(1, 0.001);
             let tree = chain(len, claimed);
-            let n = policy.choose_nodes(&tree);
+            let n = policy.choose_nodes(&tree).len();
             if n == 0 {
                 continue;
             }
@@ -953,7 +977,7 @@ mod tests {
         quick.observe_draft(1, 0.0001);
         slow.observe_draft(1, 0.02);
         let tree = chain(15, 0.9);
-        let (narrow, wide) = (quick.choose_nodes(&tree), slow.choose_nodes(&tree));
+        let (narrow, wide) = (quick.choose_nodes(&tree).len(), slow.choose_nodes(&tree).len());
         assert!((9..=12).contains(&narrow), "{narrow}");
         assert_eq!(wide, 15);
     }
@@ -1021,6 +1045,34 @@ mod tests {
         simulate(&mut policy, 50, 15, 0.95, 15);
         assert_eq!(policy.stats.greedy_steps, 0, "{:?}", policy.stats);
         assert!(policy.stats.mean_nodes() > 14.0, "{:?}", policy.stats);
+    }
+
+    #[test]
+    fn a_spine_the_head_undersells_is_verified_past_its_siblings() {
+        // Spine nodes claim 0.9 then half as much per depth, a sibling under each claims 0.3 of
+        // its parent's path; the target accepts the whole spine and never a sibling.
+        let mut tree = Tree::default();
+        let (mut tip, mut spine) = (-1, Vec::new());
+        for depth in 0..8 {
+            let base = usize::try_from(tip).map_or(0.0, |t| tree.log_probs[t]);
+            let claim = if depth == 0 { 0.9f64 } else { 0.5 };
+            let next = tree.push(2 * depth, tip, base + claim.ln());
+            tree.push(2 * depth + 1, tip, base + 0.3f64.ln());
+            spine.push(next as usize);
+            tip = next;
+        }
+        assert_eq!(tree.spine().iter().filter(|&&s| s).count(), 8);
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_02));
+        policy.observe_draft(1, 0.002);
+        for _ in 0..30 {
+            let all: Vec<usize> = (0..tree.len()).collect();
+            policy.observe_round(&tree, all.len(), &spine, None, 8, 0.0);
+        }
+        policy.warm_up_rounds = RoundPolicy::WARM_UP_ROUNDS;
+        // Uncalibrated, the 0.3 siblings at depth 1 and 2 outrank the spine from depth 3 on.
+        let claimed = Calibration::default().acceptance(&tree);
+        assert!(claimed[1] > claimed[spine[2]], "{claimed:?}");
+        assert_eq!(policy.choose_nodes(&tree), spine);
     }
 
     #[test]
@@ -1108,7 +1160,7 @@ mod tests {
         }
         let acceptance = calibration.acceptance(&tree)[0];
         assert!((acceptance - 0.5).abs() < 0.05, "calibrated acceptance {acceptance}");
-        assert!((calibration.factor(1) - 0.5 / 0.9).abs() < 0.06);
+        assert!((calibration.factor(1, true) - 0.5 / 0.9).abs() < 0.06);
     }
 
     #[test]

@@ -46,6 +46,8 @@ pub struct DraftRound<'a> {
     pub root_position: usize,
     pub budget: usize,
     pub branch_k: usize,
+    /// Also the tree's spine to the block's last offset (auto: its policy picks the nodes).
+    pub spine: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +104,8 @@ impl DraftProvider for NoDrafter {
 /// Per-request speculative settings.
 #[derive(Clone, Copy, Debug)]
 pub struct SpecParams {
-    /// Most nodes a tree may have (auto verifies a best-first prefix of it).
+    /// Most best-first nodes a tree may have (auto also asks for the spine below them to the
+    /// block's last offset, and verifies the nodes its calibration says pay).
     pub budget: usize,
     pub branch_k: usize,
     /// Record each drafted round's root entropy and accepted count.
@@ -260,8 +263,8 @@ impl<F: FnMut(Emitted<'_>) -> StepControl> Committer<'_, F> {
 /// Speculative generation. Produces exactly the tokens of [`glance_models::decode::generate`] with
 /// the same sampling: the greedy tokens, or with a temperature the same draws (each generated
 /// index has its own uniform, whichever pass draws it). With a `policy` (auto mode) each round
-/// may be a greedy step or verify only a best-first prefix of the tree; what is committed is the
-/// target's own choice either way.
+/// may be a greedy step or verify only the nodes of the tree that pay (a tree of their own); what
+/// is committed is the target's own choice either way.
 pub fn speculative_generate(
     model: &TargetModel,
     inputs: &ModelInputs,
@@ -278,10 +281,12 @@ pub fn speculative_generate(
     let taps: Vec<usize> = provider.tap_layers().to_vec();
     let max_depth = provider.max_depth();
     let vocab = model.text_config().vocab_size as usize;
-    let limits = TreeLimits { vocab, max_nodes: spec.budget, max_depth };
+    // Auto asks for the spine to the block's last offset beside the budget's nodes.
+    let max_nodes = spec.budget + if policy.is_some() { max_depth } else { 0 };
+    let limits = TreeLimits { vocab, max_nodes, max_depth };
     // The verify pass appends root + tree before compaction: room for the largest tree.
-    let mut cache = model.new_cache(limit + spec.budget + 1);
-    let mut mask = TreeMask::new(spec.budget + 1, cache.capacity(), model.kind(), model.device());
+    let mut cache = model.new_cache(limit + max_nodes + 1);
+    let mut mask = TreeMask::new(max_nodes + 1, cache.capacity(), model.kind(), model.device());
     let width = taps.len() as i64 * model.text_config().hidden_size;
     // A round may accept a whole path past the limit (the committer stops at the limit): room for
     // the deepest one.
@@ -604,6 +609,7 @@ fn send_round(
     root: i64,
     start: usize,
     spec: SpecParams,
+    spine: bool,
 ) -> Result<(), DraftFailure> {
     let from = session.context_len();
     let states = history.states_from(from);
@@ -615,6 +621,7 @@ fn send_round(
         root_position: start,
         budget: spec.budget,
         branch_k: spec.branch_k,
+        spine,
     };
     let _span =
         tracing::info_span!(target: ROUND_SPANS, "draft", context_rows = history.len - from, budget = spec.budget).entered();
@@ -666,12 +673,13 @@ impl Drafting {
                 return greedy;
             }
         }
+        let spine = policy.is_some();
         let greedy = match (&self.in_flight, self.session.as_mut()) {
             (Some(_), _) | (None, None) => Greedy::NoDrafter,
             (None, Some(s)) => {
                 let rows = ask.history.len - s.context_len();
                 if policy.is_none_or(|p| p.should_draft(ask.root_entropy, max_depth, rows)) {
-                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec) {
+                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec, spine) {
                         Ok(()) => {
                             let sent = Instant::now();
                             self.in_flight = Some(InFlight {
@@ -758,8 +766,8 @@ struct Stepped<'a> {
 }
 
 /// What of a (valid) tree drafted at an earlier root to verify now that `stepped.path` has been
-/// committed past that root: the subtree below the path, cut by the auto policy to the
-/// best-first prefix that pays. `None`: nothing (the steps left the tree or passed its depth, or
+/// committed past that root: the subtree below the path, cut by the auto policy to the nodes
+/// that pay. `None`: nothing (the steps left the tree or passed its depth, or
 /// the policy declined). A tree the steps left still tells the policy how much of it held.
 fn to_verify(tree: Tree, stepped: Stepped, policy: Option<&mut RoundPolicy>) -> Option<Tree> {
     let followed = tree.followed(stepped.path);
@@ -769,8 +777,8 @@ fn to_verify(tree: Tree, stepped: Stepped, policy: Option<&mut RoundPolicy>) -> 
             None
         }
         (tree, None) => tree,
-        (Some(mut tree), Some(p)) => {
-            tree.truncate(p.choose_nodes(&tree));
+        (Some(tree), Some(p)) => {
+            let tree = tree.select(&p.choose_nodes(&tree));
             (!tree.is_empty()).then_some(tree)
         }
     }

@@ -361,7 +361,7 @@ mod tests {
         let engine = PromptLookupEngine::new(16, 100);
         let mut session = engine.new_session();
         session.append_context(0, &[1, 2, 3, 4, 5, 1, 2], None).unwrap();
-        let round = RoundInput { root_token: 3, root_position: 7, budget: 2, branch_k: 1 };
+        let round = RoundInput { root_token: 3, root_position: 7, budget: 2, branch_k: 1, spine: false };
         assert_eq!(session.draft(&round).unwrap().tokens, vec![4, 5]);
         let late = RoundInput { root_position: 9, ..round };
         assert!(matches!(session.draft(&late), Err(DraftError::RootPosition { .. })));

@@ -82,6 +82,10 @@ pub struct RoundInput {
     pub root_position: usize,
     pub budget: usize,
     pub branch_k: usize,
+    /// Also the spine to the block's last offset ([`crate::tree::extend_spine`]): asked by the
+    /// auto policy, which picks the nodes to verify itself. Engines whose trees are not drawn
+    /// from per-offset marginals (EAGLE-3, prompt lookup) ignore it.
+    pub spine: bool,
 }
 
 /// Shared by all sessions of one drafter process.

@@ -92,6 +92,38 @@ impl Tree {
         self.log_probs.truncate(n);
     }
 
+    /// The subtree of the nodes `keep` (ascending, each node's parent kept too: a set the auto
+    /// policy chose by acceptance), re-indexed, in the same order.
+    pub fn select(&self, keep: &[usize]) -> Tree {
+        let mut index = vec![-1i32; self.len()];
+        let mut kept = Tree::default();
+        for &i in keep {
+            let parent = usize::try_from(self.parents[i]).map_or(-1, |p| index[p]);
+            debug_assert!(self.parents[i] < 0 || parent >= 0, "node {i} kept without its parent");
+            index[i] = kept.len() as i32;
+            kept.tokens.push(self.tokens[i]);
+            kept.parents.push(parent);
+            kept.depths.push(self.depths[i]);
+            kept.log_probs.push(self.log_probs[i]);
+        }
+        kept
+    }
+
+    /// Whether each node is on the tree's spine: the path from the root through each node's first
+    /// child in packed order (a best-first tree's most probable child, so the path of each
+    /// offset's top token; in a tree the greedy steps descended into, that path below them).
+    pub fn spine(&self) -> Vec<bool> {
+        let mut tip: i32 = -1;
+        let on_spine = |(i, &parent): (usize, &i32)| {
+            let first_child = parent == tip;
+            if first_child {
+                tip = i as i32;
+            }
+            first_child
+        };
+        self.parents.iter().enumerate().map(on_spine).collect()
+    }
+
     /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
     /// earlier node, every depth is its parent's + 1, tokens are in the vocabulary, every
     /// log-probability is one (the auto policy reads them), and the tree is within the node and
@@ -362,6 +394,29 @@ pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize) 
     tree
 }
 
+/// `tree` (built from `marginals`) with its spine, the path of every offset's top token, carried
+/// to the block's last offset: the spine nodes the budget left out, appended in depth order. A
+/// best-first tree ends its spine where a sibling's path outscores it, though the head may be
+/// right far deeper than its marginals claim (on the toy world's charts it is); the auto policy,
+/// which chooses the nodes to verify from its own calibration, is offered the whole spine.
+/// Stops at an offset whose top token has no finite log-probability.
+pub fn extend_spine(tree: &mut Tree, marginals: &Marginals) {
+    let mut tip: i32 = -1;
+    for depth in 0..marginals.depth() {
+        let Some(&token) = marginals.ids[depth].first() else { return };
+        if let Some(child) = tree.child(tip, token) {
+            tip = child as i32;
+            continue;
+        }
+        let log_prob =
+            tree.log_probs.get(tip as usize).copied().unwrap_or(0.0) + marginals.log_prob(depth, 0);
+        if !log_prob.is_finite() {
+            return;
+        }
+        tip = tree.push(token, tip, log_prob);
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::disallowed_methods)] // tests build and read host tensors freely
 mod tests {
@@ -421,6 +476,40 @@ mod tests {
         assert_eq!(build_budget_tree(&m, 100, 2).len(), 14);
         assert!(build_budget_tree(&m, 10, 0).is_empty());
         assert!(build_budget_tree(&Marginals::default(), 10, 8).is_empty());
+    }
+
+    #[test]
+    fn the_spine_reaches_the_last_offset_and_a_selection_stays_a_tree() {
+        // Offset 2's top token (20, -2.0) loses to the sibling 11 (-0.3) at a budget of 2.
+        let m = marginals(
+            vec![vec![10, 11], vec![20, 21], vec![30, 31]],
+            vec![vec![-0.1, -0.3], vec![-2.0, -2.5], vec![-0.2, -4.0]],
+        );
+        let mut tree = build_budget_tree(&m, 2, 2);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (11, 1, -1)]);
+        extend_spine(&mut tree, &m);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (11, 1, -1), (20, 2, 0), (30, 3, 2)]);
+        assert!((tree.log_probs[3] - (-0.1f32 as f64 + -2.0f32 as f64 + -0.2f32 as f64)).abs() < 1e-12);
+        assert_eq!(tree.validate(TreeLimits { vocab: 100, ..LIMITS }), Ok(()));
+        assert_eq!(tree.spine(), vec![true, false, true, true]);
+        // A tree that holds its whole spine already is left as it is.
+        let whole = build_budget_tree(&m, 14, 2);
+        let mut extended = whole.clone();
+        extend_spine(&mut extended, &m);
+        assert_eq!(extended, whole);
+        // A top token of probability 0 ends the spine (the verifier refuses infinite scores).
+        let mut tree = build_budget_tree(&m, 1, 2);
+        let dead =
+            marginals(m.ids.clone(), vec![vec![-0.1, -0.3], vec![f32::NEG_INFINITY, -2.5], vec![-0.2, -4.0]]);
+        extend_spine(&mut tree, &dead);
+        assert_eq!(tree.len(), 1);
+
+        let mut tree = build_budget_tree(&m, 2, 2);
+        extend_spine(&mut tree, &m);
+        let kept = tree.select(&[0, 2, 3]);
+        assert_eq!(shape(&kept), vec![(10, 1, -1), (20, 2, 0), (30, 3, 1)]);
+        assert_eq!(kept.validate(TreeLimits { vocab: 100, ..LIMITS }), Ok(()));
+        assert_eq!(shape(&tree.select(&[1])), vec![(11, 1, -1)]);
     }
 
     #[test]

@@ -356,7 +356,8 @@ fn draft_pass_ms(args: &Args, model: &TargetModel, dims: &Dims, taps: &[usize]) 
         let states = Tensor::randn([rows as i64, width], (model.kind(), model.device()));
         session.append_context(position, &tokens, Some(states)).expect("append context");
         position += rows;
-        let input = RoundInput { root_token: 1, root_position: position, budget: 31, branch_k: 4 };
+        let input =
+            RoundInput { root_token: 1, root_position: position, budget: 31, branch_k: 4, spine: false };
         session.draft(&input).expect("draft");
     };
     round(&mut session, args.context);
@@ -425,6 +426,7 @@ fn measure_hop(args: &Args) -> Hop {
             root_position: position + rows,
             budget: 31,
             branch_k: 8,
+            spine: false,
         };
         session.send(request).expect("send");
         let drafted = loop {
