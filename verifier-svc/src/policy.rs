@@ -147,16 +147,11 @@ impl VerifyCost {
 
 /// Per depth, how often the drafter's path probability turns out right: the calibrated
 /// acceptance of a node is `clamp(α_d · q, 0, 1)` with `α_d` = accepted nodes / Σ q at depth d,
-/// both decayed so that the estimate follows the request. The tree's spine (each offset's top
-/// token, [`Tree::spine`]) and the nodes off it are calibrated apart: a block head's marginals
-/// may undersell its spine far down the block (on the toy world's charts a spine node claiming
-/// 0.3 is accepted nearly always) while its siblings there are the ones that miss.
+/// both decayed so that the estimate follows the request.
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
-    /// (Σ q, accepted) per depth − 1, on the spine.
-    spine: Vec<(f64, f64)>,
-    /// The same off the spine.
-    off_spine: Vec<(f64, f64)>,
+    /// (Σ q, accepted) per depth − 1.
+    depths: Vec<(f64, f64)>,
 }
 
 impl Calibration {
@@ -164,18 +159,17 @@ impl Calibration {
     /// Pseudo-observations that start α at 1 (trust the drafter until shown otherwise).
     const PRIOR: f64 = 0.5;
 
-    pub fn factor(&self, depth: usize, on_spine: bool) -> f64 {
-        let depths = if on_spine { &self.spine } else { &self.off_spine };
-        let (claimed, accepted) = depths.get(depth.saturating_sub(1)).copied().unwrap_or_default();
+    pub fn factor(&self, depth: usize) -> f64 {
+        let (claimed, accepted) = self.depths.get(depth.saturating_sub(1)).copied().unwrap_or_default();
         (accepted + Self::PRIOR) / (claimed + Self::PRIOR)
     }
 
     /// Calibrated acceptance probability of each node (a path never more likely than its parent).
     pub fn acceptance(&self, tree: &Tree) -> Vec<f64> {
         let mut out: Vec<f64> = Vec::with_capacity(tree.len());
-        for (i, on_spine) in tree.spine().into_iter().enumerate() {
+        for i in 0..tree.len() {
             let q = tree.log_probs[i].exp();
-            let a = (self.factor(tree.depths[i] as usize, on_spine) * q).clamp(0.0, 1.0);
+            let a = (self.factor(tree.depths[i] as usize) * q).clamp(0.0, 1.0);
             let parent = usize::try_from(tree.parents[i]).ok().map_or(1.0, |p| out[p]);
             out.push(a.min(parent));
         }
@@ -186,27 +180,25 @@ impl Calibration {
     /// request of another kind (a chart after documents the head keeps missing, with the same
     /// confident claims) is not judged for long by the last one's acceptance.
     pub fn for_new_request(&self) -> Self {
-        let carried = |depths: &[(f64, f64)]| -> Vec<(f64, f64)> {
-            depths.iter().map(|&(q, a)| (q * CARRIED_EVIDENCE, a * CARRIED_EVIDENCE)).collect()
-        };
-        Self { spine: carried(&self.spine), off_spine: carried(&self.off_spine) }
+        Self {
+            depths: self.depths.iter().map(|&(q, a)| (q * CARRIED_EVIDENCE, a * CARRIED_EVIDENCE)).collect(),
+        }
     }
 
     /// Records the verified nodes `0..verified` and which of them were accepted.
     pub fn observe(&mut self, tree: &Tree, verified: usize, accepted: &[usize]) {
-        for entry in self.spine.iter_mut().chain(&mut self.off_spine) {
+        for entry in &mut self.depths {
             entry.0 *= Self::DECAY;
             entry.1 *= Self::DECAY;
         }
-        for (i, on_spine) in tree.spine().into_iter().enumerate().take(verified) {
-            let depths = if on_spine { &mut self.spine } else { &mut self.off_spine };
+        for i in 0..verified.min(tree.len()) {
             let d = tree.depths[i] as usize - 1;
-            if depths.len() <= d {
-                depths.resize(d + 1, (0.0, 0.0));
+            if self.depths.len() <= d {
+                self.depths.resize(d + 1, (0.0, 0.0));
             }
-            depths[d].0 += tree.log_probs[i].exp();
+            self.depths[d].0 += tree.log_probs[i].exp();
             if accepted.contains(&i) {
-                depths[d].1 += 1.0;
+                self.depths[d].1 += 1.0;
             }
         }
     }
@@ -1048,31 +1040,36 @@ mod tests {
     }
 
     #[test]
-    fn a_spine_the_head_undersells_is_verified_past_its_siblings() {
-        // Spine nodes claim 0.9 then half as much per depth, a sibling under each claims 0.3 of
-        // its parent's path; the target accepts the whole spine and never a sibling.
+    fn the_nodes_verified_are_the_likeliest_and_form_a_tree() {
+        // A spine the target always accepts, each node with a sibling it never does; packed
+        // best-first by the drafter's claims, so spine and siblings alternate, and the spine's
+        // tail (as auto asks for it) comes last.
         let mut tree = Tree::default();
         let (mut tip, mut spine) = (-1, Vec::new());
-        for depth in 0..8 {
+        for depth in 0..6 {
             let base = usize::try_from(tip).map_or(0.0, |t| tree.log_probs[t]);
-            let claim = if depth == 0 { 0.9f64 } else { 0.5 };
-            let next = tree.push(2 * depth, tip, base + claim.ln());
-            tree.push(2 * depth + 1, tip, base + 0.3f64.ln());
+            let next = tree.push(2 * depth, tip, base + 0.7f64.ln());
+            tree.push(2 * depth + 1, tip, base + 0.25f64.ln());
             spine.push(next as usize);
             tip = next;
         }
-        assert_eq!(tree.spine().iter().filter(|&&s| s).count(), 8);
-        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_02));
+        for depth in 6..10 {
+            tip = tree.push(2 * depth, tip, tree.log_probs[tip as usize] + 0.7f64.ln());
+            spine.push(tip as usize);
+        }
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_4));
         policy.observe_draft(1, 0.002);
         for _ in 0..30 {
-            let all: Vec<usize> = (0..tree.len()).collect();
-            policy.observe_round(&tree, all.len(), &spine, None, 8, 0.0);
+            policy.observe_round(&tree, tree.len(), &spine, None, 10, 0.0);
         }
         policy.warm_up_rounds = RoundPolicy::WARM_UP_ROUNDS;
-        // Uncalibrated, the 0.3 siblings at depth 1 and 2 outrank the spine from depth 3 on.
-        let claimed = Calibration::default().acceptance(&tree);
-        assert!(claimed[1] > claimed[spine[2]], "{claimed:?}");
-        assert_eq!(policy.choose_nodes(&tree), spine);
+        let chosen = policy.choose_nodes(&tree);
+        // The spine as deep as it pays, its tail (packed after every sibling) included, and no
+        // sibling: not a prefix of the packed order.
+        let acceptance = policy.calibration.acceptance(&tree);
+        assert!(chosen.len() > 6 && chosen[..] == spine[..chosen.len()], "{chosen:?} {acceptance:?}");
+        let limits = glance_spec::tree::TreeLimits { vocab: 32, max_nodes: 32, max_depth: 10 };
+        assert_eq!(tree.select(&chosen).validate(limits), Ok(()));
     }
 
     #[test]
@@ -1160,7 +1157,7 @@ mod tests {
         }
         let acceptance = calibration.acceptance(&tree)[0];
         assert!((acceptance - 0.5).abs() < 0.05, "calibrated acceptance {acceptance}");
-        assert!((calibration.factor(1, true) - 0.5 / 0.9).abs() < 0.06);
+        assert!((calibration.factor(1) - 0.5 / 0.9).abs() < 0.06);
     }
 
     #[test]

@@ -109,21 +109,6 @@ impl Tree {
         kept
     }
 
-    /// Whether each node is on the tree's spine: the path from the root through each node's first
-    /// child in packed order (a best-first tree's most probable child, so the path of each
-    /// offset's top token; in a tree the greedy steps descended into, that path below them).
-    pub fn spine(&self) -> Vec<bool> {
-        let mut tip: i32 = -1;
-        let on_spine = |(i, &parent): (usize, &i32)| {
-            let first_child = parent == tip;
-            if first_child {
-                tip = i as i32;
-            }
-            first_child
-        };
-        self.parents.iter().enumerate().map(on_spine).collect()
-    }
-
     /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
     /// earlier node, every depth is its parent's + 1, tokens are in the vocabulary, every
     /// log-probability is one (the auto policy reads them), and the tree is within the node and
@@ -491,7 +476,6 @@ mod tests {
         assert_eq!(shape(&tree), vec![(10, 1, -1), (11, 1, -1), (20, 2, 0), (30, 3, 2)]);
         assert!((tree.log_probs[3] - (-0.1f32 as f64 + -2.0f32 as f64 + -0.2f32 as f64)).abs() < 1e-12);
         assert_eq!(tree.validate(TreeLimits { vocab: 100, ..LIMITS }), Ok(()));
-        assert_eq!(tree.spine(), vec![true, false, true, true]);
         // A tree that holds its whole spine already is left as it is.
         let whole = build_budget_tree(&m, 14, 2);
         let mut extended = whole.clone();
