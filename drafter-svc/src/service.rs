@@ -199,6 +199,12 @@ async fn run_session(
 ) {
     metrics::gauge!(names::SESSIONS_OPEN).increment(1.0);
     let _closed = scopeguard(|| metrics::gauge!(names::SESSIONS_OPEN).decrement(1.0));
+    // The verifier opens the session while its target prefills: time to warm the engine. A
+    // failure here is the first round's to report.
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        let _no_grad = tch::no_grad_guard();
+        session.warm();
+    }));
     loop {
         let message = tokio::select! {
             message = next_request(&mut inbound, checks.limits.idle_timeout) => message,

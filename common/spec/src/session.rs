@@ -104,6 +104,10 @@ pub trait Session: Send {
         states: Option<Tensor>,
     ) -> Result<(), DraftError>;
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError>;
+    /// Called once when the session opens, before its first message: an engine whose first
+    /// round would run cold may run a throwaway pass here (the verifier opens the session while
+    /// its target prefills, so this costs the drafter's idle time, not the round's).
+    fn warm(&mut self) {}
 }
 
 /// The token history every session keeps, with the gap and root checks all engines need.
