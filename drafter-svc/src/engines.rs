@@ -146,6 +146,14 @@ struct BlockHeadSession {
     max_context: usize,
 }
 
+impl BlockHeadSession {
+    /// Zero context rows, (0, taps·hidden): a round whose context the head has consumed already.
+    fn no_context(&self) -> Tensor {
+        let width = (self.head.tap_layers().len() as i64) * self.head.hidden_size();
+        Tensor::zeros([0, width], (self.head.kind(), self.head.device()))
+    }
+}
+
 /// A context append as a session receives it: `rows` positions from `first`, with tap states
 /// `width` wide per row for `head`.
 struct Append {
@@ -186,9 +194,7 @@ impl Session for BlockHeadSession {
             return;
         }
         let mut scratch = self.head.new_cache(self.head.block_size());
-        let width = (self.head.tap_layers().len() as i64) * self.head.hidden_size();
-        let context = Tensor::zeros([0, width], (self.head.kind(), Device::Cpu));
-        let _ = self.head.draft(&mut scratch, &context, self.head.mask_token_id(), 0);
+        let _ = self.head.draft(&mut scratch, &self.no_context(), self.head.mask_token_id(), 0);
         self.last_pass.record();
     }
 
@@ -214,10 +220,7 @@ impl Session for BlockHeadSession {
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
         let context = match self.pending.len() {
-            0 => {
-                let width = (self.head.tap_layers().len() as i64) * self.head.hidden_size();
-                Tensor::zeros([0, width], (self.head.kind(), self.head.device()))
-            }
+            0 => self.no_context(),
             _ => Tensor::cat(&std::mem::take(&mut self.pending), 0),
         };
         let marginals = self

@@ -767,8 +767,8 @@ struct Stepped<'a> {
 
 /// What of a (valid) tree drafted at an earlier root to verify now that `stepped.path` has been
 /// committed past that root: the subtree below the path, cut by the auto policy to the nodes
-/// that pay. `None`: nothing (the steps left the tree or passed its depth, or
-/// the policy declined). A tree the steps left still tells the policy how much of it held.
+/// that pay. `None`: nothing (the steps left the tree or passed its depth, or the policy
+/// declined). A tree the steps left still tells the policy how much of it held.
 fn to_verify(tree: Tree, stepped: Stepped, policy: Option<&mut RoundPolicy>) -> Option<Tree> {
     let followed = tree.followed(stepped.path);
     match (tree.descend(stepped.path).filter(|t| !t.is_empty()), policy) {
