@@ -217,6 +217,18 @@ impl Session for BlockHeadSession {
         Ok(())
     }
 
+    /// The pending rows' keys and values into the draft cache now, while the rest of the context
+    /// is on its way.
+    fn ingest(&mut self) -> Result<(), DraftError> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let context = Tensor::cat(&std::mem::take(&mut self.pending), 0);
+        self.head.ingest(&mut self.cache, &context).map_err(|e| DraftError::Internal(e.to_string()))?;
+        self.last_pass.record();
+        Ok(())
+    }
+
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
         let context = match self.pending.len() {

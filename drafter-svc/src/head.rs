@@ -405,13 +405,29 @@ impl DraftHead {
         Ok(tch::no_grad(|| self.forward(cache, context, root_token)))
     }
 
-    fn check_draft_input(
-        &self,
-        cache: &KvCache,
-        context: &Tensor,
-        root_token: i64,
-        root_position: usize,
-    ) -> Result<(), HeadError> {
+    /// Takes `context` (C, taps·hidden), the tap states of the C committed positions after those
+    /// in `cache`, into `cache` ahead of the next draft pass: the keys and values that pass would
+    /// write for them (a context row's read only the fused context, never the block), so the pass
+    /// then carries only the rows after them: the first messages of a context too large for one
+    /// are taken in while the rest is on its way.
+    pub fn ingest(&self, cache: &mut KvCache, context: &Tensor) -> Result<(), HeadError> {
+        let rows = self.check_context(context)?;
+        // Room for the block too: the pass that follows must fit.
+        cache.ensure_room(rows + self.config.block_size)?;
+        tch::no_grad(|| {
+            let ctx = self.fused_context(context);
+            let rotary = self.rotary(cache.len() as i64, rows as i64);
+            for (i, layer) in self.layers.iter().enumerate() {
+                let (k, v) = layer.attn.keys_values(&ctx, &rotary);
+                let _live = cache.write(i, &k, &v);
+            }
+            cache.advance(rows);
+        });
+        Ok(())
+    }
+
+    /// The context's shape and dtype; its rows.
+    fn check_context(&self, context: &Tensor) -> Result<usize, HeadError> {
         let width = self.config.target_layer_ids.len() as i64 * self.config.hidden_size;
         let size = context.size();
         if size.len() != 2 || size[1] != width {
@@ -423,7 +439,23 @@ impl DraftHead {
                 context.kind()
             )));
         }
-        let rows = size[0] as usize;
+        Ok(size[0] as usize)
+    }
+
+    /// `hidden_norm(fc(taps))`: the context rows as every layer's keys and values read them, (C, d).
+    fn fused_context(&self, context: &Tensor) -> Tensor {
+        let context = context.to_device(self.device).to_kind(self.kind);
+        self.hidden_norm.forward(&self.fc.forward(&context))
+    }
+
+    fn check_draft_input(
+        &self,
+        cache: &KvCache,
+        context: &Tensor,
+        root_token: i64,
+        root_position: usize,
+    ) -> Result<(), HeadError> {
+        let rows = self.check_context(context)?;
         if cache.len() + rows != root_position {
             return Err(HeadError::Input(format!(
                 "draft cache holds {} positions and {rows} new context rows follow, so the root \
@@ -445,8 +477,7 @@ impl DraftHead {
     fn forward(&self, cache: &mut KvCache, context: &Tensor, root_token: i64) -> Tensor {
         let rows = context.size()[0];
         let block = self.config.block_size as i64;
-        let context = context.to_device(self.device).to_kind(self.kind);
-        let ctx = self.hidden_norm.forward(&self.fc.forward(&context));
+        let ctx = self.fused_context(context);
         let mut hidden = self.block_embedding(root_token);
         let rotary = self.rotary(cache.len() as i64, rows + block);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -773,17 +804,22 @@ impl HeadAttention {
     fn project(&self, x: &Tensor, ctx: &Tensor, rotary: &Rotary) -> (Tensor, Tensor, Tensor) {
         let block = x.size()[0];
         let rows = ctx.size()[0] + block;
-        let split_heads = |t: Tensor, n: i64, count: i64| t.view([n, count, self.head_dim]);
-        let q = split_heads(self.q_proj.forward(x), block, self.num_heads);
+        let q = self.q_proj.forward(x).view([block, self.num_heads, self.head_dim]);
         let q = self.q_norm.forward(&q).transpose(0, 1);
-        let kv_input = Tensor::cat(&[ctx, x], 0);
-        let kv = split_heads(self.kv_proj.forward(&kv_input), rows, 2 * self.num_kv_heads);
-        let k = self.k_norm.forward(&kv.narrow(1, 0, self.num_kv_heads)).transpose(0, 1);
-        let v = kv.narrow(1, self.num_kv_heads, self.num_kv_heads).transpose(0, 1);
+        let (k, v) = self.keys_values(&Tensor::cat(&[ctx, x], 0), rotary);
         // (heads, n, hd) against (n, hd) tables: broadcast over the heads.
         let q = rotary.rows(rows - block, block).apply(&q);
-        let k = rotary.apply(&k);
         (q, k, v)
+    }
+
+    /// k, v (kv_heads, n, hd) of the rows `input` (n, d): k normed per head and rotated by the
+    /// tables `rotary` (n, head_dim).
+    fn keys_values(&self, input: &Tensor, rotary: &Rotary) -> (Tensor, Tensor) {
+        let rows = input.size()[0];
+        let kv = self.kv_proj.forward(input).view([rows, 2 * self.num_kv_heads, self.head_dim]);
+        let k = self.k_norm.forward(&kv.narrow(1, 0, self.num_kv_heads)).transpose(0, 1);
+        let v = kv.narrow(1, self.num_kv_heads, self.num_kv_heads).transpose(0, 1);
+        (rotary.apply(&k), v)
     }
 
     /// Attention of q over keys/values (no mask: the block sees everything), output projection.

@@ -306,7 +306,8 @@ fn check_message(message: &pb::DraftRequest, checks: Checks) -> Result<(), Statu
     Ok(())
 }
 
-/// Appends the context rows and, on a round message, drafts a tree.
+/// Appends the context rows and, on a round message, drafts a tree; context rows without a round
+/// are the engine's to take in at once.
 fn handle(
     session: &mut dyn Session,
     message: pb::DraftRequest,
@@ -336,6 +337,7 @@ fn handle(
             .map_err(status_of)?;
     }
     let Some(round) = message.round else {
+        session.ingest().map_err(status_of)?;
         return Ok(None);
     };
     let input = RoundInput {

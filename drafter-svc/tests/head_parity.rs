@@ -124,6 +124,34 @@ fn draft_logits_match_the_torch_reference() -> Result<()> {
     Ok(())
 }
 
+/// Context rows taken in ahead of the draft pass (drafter-svc does so for context-only messages)
+/// give the reference's logits: the pass then carries no rows of its own.
+#[test]
+fn context_taken_in_ahead_matches_the_torch_reference() -> Result<()> {
+    let Some(root) = fixture_root() else {
+        return Ok(());
+    };
+    for (head_name, target) in PAIRS {
+        let head_dir = root.join(head_name);
+        let head = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+        let mut cache = head.new_cache(64);
+        for (i, call) in reference_calls(&head_dir)?.iter().enumerate() {
+            head.ingest(&mut cache, &call.context)?;
+            assert_eq!(cache.len(), call.root_position);
+            let none = call.context.narrow(0, 0, 0);
+            let logits = head.draft(&mut cache, &none, call.root_token, call.root_position)?;
+            let diff = max_abs_diff(&logits, &call.logits);
+            assert!(diff <= F32_TOLERANCE, "{head_name} call {i}: max |Δ| {diff}");
+        }
+        // Rows that do not fit are refused before anything is written.
+        let mut full = head.new_cache(20);
+        let rows = Tensor::zeros([8, 3 * 64], (Kind::Float, Device::Cpu));
+        assert!(matches!(head.ingest(&mut full, &rows), Err(HeadError::Cache(_))));
+        assert_eq!(full.len(), 0);
+    }
+    Ok(())
+}
+
 /// The verifier-side constructor, from an already loaded target, gives the same logits.
 #[test]
 fn from_parts_with_a_loaded_target_matches() -> Result<()> {

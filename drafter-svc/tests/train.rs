@@ -131,6 +131,9 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     assert_eq!(tree.len(), 15);
     // A session warmed when it opens (drafter-svc does so when the head sat idle) drafts the same.
     assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All, false, true), tree);
+    // Its context in two messages, the first taken in ahead (drafter-svc does so for a
+    // context-only message): the same tree.
+    assert_eq!(chunked_tree(&out, &dir), tree);
     // Asked for its spine (as auto asks), the same tree with the top token of every offset down
     // to the block's last appended below it.
     let spined = served_tree(&out, &dir, DraftVocabChoice::All, true, false);
@@ -178,6 +181,23 @@ fn served_tree(
     let states = tch::Tensor::zeros([5, 3 * 64], (Kind::Float, Device::Cpu));
     session.append_context(0, &[1, 2, 3, 4, 5], Some(states)).unwrap();
     session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine }).unwrap()
+}
+
+/// [`served_tree`]'s round (all vocabulary, no spine, cold) with its first three context rows
+/// taken in ahead of the round.
+fn chunked_tree(head: &std::path::Path, target: &std::path::Path) -> glance_spec::tree::Tree {
+    use drafter_svc::engines::BlockHeadEngine;
+    use glance_spec::session::{DraftEngine, RoundInput};
+    let engine =
+        BlockHeadEngine::load(head, target, Kind::Float, Device::Cpu, 4096, DraftVocabChoice::All).unwrap();
+    let mut session = engine.new_session();
+    let states = |rows: i64| tch::Tensor::zeros([rows, 3 * 64], (Kind::Float, Device::Cpu));
+    session.append_context(0, &[1, 2, 3], Some(states(3))).unwrap();
+    session.ingest().unwrap();
+    session.append_context(3, &[4, 5], Some(states(2))).unwrap();
+    session
+        .draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine: false })
+        .unwrap()
 }
 
 /// A draft vocabulary changes only which tokens are scored: the marginals are the full pass's

@@ -142,6 +142,9 @@ pub fn decoding(mode: &Mode, sampling: Sampling, seed: u64) -> pb::DecodingOptio
 #[derive(Default, Clone)]
 pub struct Cell {
     pub ms_per_token: Vec<f64>,
+    /// Per request, prefill (time to first token) plus decode, milliseconds: what a client waits.
+    pub request_ms: Vec<f64>,
+    pub prefill_ms: f64,
     /// Decode-window totals (tokens after the first, and their milliseconds) for a pooled rate.
     pub decode_tokens: u64,
     pub decode_ms: f64,
@@ -173,6 +176,11 @@ impl Cell {
         self.ms_per_token.iter().sum::<f64>() / self.ms_per_token.len().max(1) as f64
     }
 
+    /// Mean over prompts of a request's prefill plus decode milliseconds.
+    pub fn request_ms(&self) -> f64 {
+        self.request_ms.iter().sum::<f64>() / self.request_ms.len().max(1) as f64
+    }
+
     /// Draft and hop milliseconds per verify round, and verify milliseconds per target pass (in
     /// a fixed mode with a drafter, per round; in auto, whose verify time also covers its greedy
     /// steps, per pass of any kind).
@@ -189,6 +197,8 @@ impl Cell {
         self.prompts += 1;
         self.lossless += identical as u64;
         self.ms_per_token.push(timings.decode_ms / usage.generated_tokens.max(1) as f64);
+        self.request_ms.push(timings.prefill_ms + timings.decode_ms);
+        self.prefill_ms += timings.prefill_ms;
         self.decode_tokens += u64::from(usage.generated_tokens.saturating_sub(1));
         self.decode_ms += timings.decode_ms;
         if let Some(s) = &r.speculative {
@@ -227,6 +237,7 @@ impl Cell {
         let round_ms = self.draft_ms + self.hop_ms + self.verify_ms;
         json!({
             "mode": name, "tau": self.tau(), "speedup": speedup, "ms_per_token": self.ms_per_token(),
+            "request_ms": self.request_ms(), "prefill_ms": self.prefill_ms / self.prompts.max(1) as f64,
             "rounds": self.rounds, "target_passes": self.target_passes, "accepted_per_depth": self.accepted_per_depth, "draft_ms": self.draft_ms,
             "hop_ms": self.hop_ms, "verify_ms": self.verify_ms,
             "hop_share": if round_ms > 0.0 { self.hop_ms / round_ms } else { 0.0 },

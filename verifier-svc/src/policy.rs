@@ -43,13 +43,17 @@ impl Ewma {
 
 /// Seconds from sending a round to its tree arriving (drafter compute and hop), as a cost per
 /// round plus a cost per context row: a request's first round carries the whole prompt's tap
-/// states, later ones a few rows, and the step-while-drafting choice needs both.
+/// states, later ones a few rows, and the step-while-drafting choice needs both. The small rounds
+/// and the large ones are averaged apart and the per-row cost read off the two, so that the
+/// server's very first round (a prompt, before any small one) never stands for a small round's
+/// cost.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DraftCost {
     /// Rounds of at most `FEW_ROWS` context rows.
-    per_round: Ewma,
-    /// Seconds per context row beyond a small round's, from the larger rounds.
-    per_row: Ewma,
+    small: Ewma,
+    /// Larger rounds: their seconds and their rows.
+    large: Ewma,
+    large_rows: Ewma,
     /// |observed − estimated| seconds of the small rounds: how far a round may come in earlier
     /// than expected.
     error: Ewma,
@@ -59,21 +63,32 @@ impl DraftCost {
     const FEW_ROWS: usize = 32;
 
     pub fn observe(&mut self, rows: usize, secs: f64) {
-        // The error of the usual (small) rounds; a prompt-sized one is rarer and its per-row
-        // cost is still being learnt.
-        if let (Some(expected), true) = (self.estimate(rows), rows <= Self::FEW_ROWS) {
+        if rows > Self::FEW_ROWS {
+            self.large.observe(secs);
+            self.large_rows.observe(rows as f64);
+            return;
+        }
+        // The error of the usual (small) rounds; a prompt-sized one is rarer.
+        if let Some(expected) = self.small.get() {
             self.error.observe((secs - expected).abs());
         }
-        match self.per_round.get() {
-            Some(base) if rows > Self::FEW_ROWS => self.per_row.observe((secs - base).max(0.0) / rows as f64),
-            _ => self.per_round.observe(secs),
-        }
+        self.small.observe(secs);
     }
 
     pub fn estimate(&self, rows: usize) -> Option<f64> {
-        let base = self.per_round.get()?;
-        let per_row = if rows > Self::FEW_ROWS { self.per_row.get().unwrap_or(0.0) } else { 0.0 };
-        Some(base + per_row * rows as f64)
+        match (self.small.get(), self.large.get()) {
+            (Some(base), _) if rows <= Self::FEW_ROWS => Some(base),
+            (Some(base), _) => Some(base + self.per_row().unwrap_or(0.0) * rows as f64),
+            // Only prompt-sized rounds seen: their time bounds a smaller round's from above.
+            (None, Some(large)) => Some(large * (rows as f64 / self.large_rows.get()?).max(1.0)),
+            (None, None) => None,
+        }
+    }
+
+    /// Seconds a round's time grows by per context row, once both kinds of round are measured.
+    pub fn per_row(&self) -> Option<f64> {
+        let (base, large, rows) = (self.small.get()?, self.large.get()?, self.large_rows.get()?);
+        Some(((large - base) / rows).max(0.0))
     }
 
     /// The typical error of [`DraftCost::estimate`], seconds (0 until two rounds are seen).

@@ -104,6 +104,13 @@ pub trait Session: Send {
         states: Option<Tensor>,
     ) -> Result<(), DraftError>;
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError>;
+    /// Called after context rows that came without a round (a context too large for one message
+    /// comes in several, the round with the last): an engine may take them in now, while the
+    /// rest is on its way, so the round's own pass carries only the rows after them. By default
+    /// they wait for the round.
+    fn ingest(&mut self) -> Result<(), DraftError> {
+        Ok(())
+    }
     /// Called once when the session opens, before its first message: an engine whose first
     /// round would run cold may run a throwaway pass here (the verifier opens the session while
     /// its target prefills, so this costs the drafter's idle time, not the round's).

@@ -309,6 +309,8 @@ fn report(
     md += "\n";
     let mut json_tasks = Vec::new();
     let mut speedups: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    // AR's request time (prefill + decode) over the mode's, per task.
+    let mut request_ratios: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     let mut pooled: Vec<Round> = Vec::new();
     let mut per_task_logs: Vec<(Task, Vec<Round>)> = Vec::new();
     for (t, task) in Task::ALL.iter().enumerate() {
@@ -324,6 +326,7 @@ fn report(
             let c = &cells[&(t, m)];
             let speedup = ar / c.ms_per_token();
             speedups[m].push(speedup);
+            request_ratios[m].push(cells[&(t, 0)].request_ms() / c.request_ms());
             md += &format!(" {:.2} / {:.2}x |", c.tau(), speedup);
             json_modes.push(c.json(&mode.name, speedup));
         }
@@ -333,6 +336,10 @@ fn report(
     md += "| geomean | |";
     for s in &speedups {
         md += &format!(" {:.2}x |", bench::geomean(s.iter().copied()));
+    }
+    md += " |\n| geomean, whole request (prefill + decode) | |";
+    for r in &request_ratios {
+        md += &format!(" {:.2}x |", bench::geomean(r.iter().copied()));
     }
     md += " |\n";
     md += &law_table(&per_task_logs, &pooled);
