@@ -24,6 +24,10 @@ pub struct ServiceArgs {
     /// both services, the target's top-2 margins at divergences, and bench_chat's peer.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// The drafters' dtype when it differs from `--dtype` (drafter-svc `--dtype`: `f32`, `bf16`,
+    /// `f16` or `auto`). A drafter's precision changes its trees, never the output.
+    #[arg(long)]
+    pub drafter_dtype: Option<String>,
     /// libtorch threads of each service (OMP_NUM_THREADS; also bench_chat's peer). On a 2-core
     /// machine one each keeps the verifier's and the drafter's thread pools from spinning against
     /// each other, as if each service had its own device (as in production).
@@ -82,7 +86,8 @@ impl Pair {
     pub async fn start(setup: &Setup, drafter_args: &[&str]) -> Self {
         let threads = setup.services.threads_per_service.to_string();
         let env = [("OMP_NUM_THREADS", threads.as_str())];
-        let dtype = ["--dtype", setup.services.dtype.as_str()];
+        let dtype =
+            ["--dtype", setup.services.drafter_dtype.as_ref().unwrap_or(&setup.services.dtype).as_str()];
         let drafter = ServiceProcess::drafter_with_env(&[drafter_args, &dtype].concat(), &env);
         let verifier = ServiceProcess::verifier_with_env(
             &setup.target,
