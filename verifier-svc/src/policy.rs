@@ -941,6 +941,19 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_sized_first_round_does_not_stand_for_a_small_one() {
+        let mut cost = DraftCost::default();
+        cost.observe(104, 0.0135);
+        assert_eq!(cost.estimate(4), Some(0.0135), "only a prompt seen: an upper bound");
+        assert_eq!(cost.estimate(208), Some(0.027));
+        assert_eq!(cost.per_row(), None);
+        cost.observe(4, 0.0035);
+        assert_eq!(cost.estimate(4), Some(0.0035));
+        assert!((cost.per_row().unwrap() - 0.01 / 104.0).abs() < 1e-12);
+        assert!((cost.estimate(104).unwrap() - 0.0135).abs() < 1e-12);
+    }
+
+    #[test]
     fn steps_beside_the_working_drafter_are_charged_to_its_round() {
         // Three steps taken while a tree was drafted, then the tree: verified (two of its four
         // nodes accepted, three tokens committed) or stale (nothing of it verified).
