@@ -152,6 +152,12 @@ impl BlockHeadSession {
         let width = (self.head.tap_layers().len() as i64) * self.head.hidden_size();
         Tensor::zeros([0, width], (self.head.kind(), self.head.device()))
     }
+
+    /// The context rows received and not yet run through the head, as one tensor; `None` if
+    /// there are none.
+    fn take_pending(&mut self) -> Option<Tensor> {
+        (!self.pending.is_empty()).then(|| Tensor::cat(&std::mem::take(&mut self.pending), 0))
+    }
 }
 
 /// A context append as a session receives it: `rows` positions from `first`, with tap states
@@ -220,10 +226,7 @@ impl Session for BlockHeadSession {
     /// The pending rows' keys and values into the draft cache now, while the rest of the context
     /// is on its way.
     fn ingest(&mut self) -> Result<(), DraftError> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let context = Tensor::cat(&std::mem::take(&mut self.pending), 0);
+        let Some(context) = self.take_pending() else { return Ok(()) };
         self.head.ingest(&mut self.cache, &context).map_err(|e| DraftError::Internal(e.to_string()))?;
         self.last_pass.record();
         Ok(())
@@ -231,10 +234,7 @@ impl Session for BlockHeadSession {
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         self.history.check_root(round)?;
-        let context = match self.pending.len() {
-            0 => self.no_context(),
-            _ => Tensor::cat(&std::mem::take(&mut self.pending), 0),
-        };
+        let context = self.take_pending().unwrap_or_else(|| self.no_context());
         let marginals = self
             .head
             .draft_marginals(

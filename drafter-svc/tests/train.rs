@@ -127,16 +127,16 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
     // The output is a DFlash-layout head the service loads unchanged.
-    let tree = served_tree(&out, &dir, DraftVocabChoice::All, false, false);
+    let tree = served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::Cold);
     assert_eq!(tree.len(), 15);
     // A session warmed when it opens (drafter-svc does so when the head sat idle) drafts the same.
-    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All, false, true), tree);
+    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::Warmed), tree);
     // Its context in two messages, the first taken in ahead (drafter-svc does so for a
     // context-only message): the same tree.
-    assert_eq!(chunked_tree(&out, &dir), tree);
+    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::ContextInTwo), tree);
     // Asked for its spine (as auto asks), the same tree with the top token of every offset down
     // to the block's last appended below it.
-    let spined = served_tree(&out, &dir, DraftVocabChoice::All, true, false);
+    let spined = served_tree(&out, &dir, DraftVocabChoice::All, true, Opening::Cold);
     let mut head_of_it = spined.clone();
     head_of_it.truncate(15);
     assert_eq!(head_of_it, tree);
@@ -151,7 +151,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     for (choice, allowed) in
         [(DraftVocabChoice::Top(6), ranked.top(6)), (DraftVocabChoice::Auto, &ranked.ranked[..])]
     {
-        let tree = served_tree(&out, &dir, choice, false, false);
+        let tree = served_tree(&out, &dir, choice, false, Opening::Cold);
         assert_eq!(tree.len(), 15);
         let allowed: Vec<u32> = allowed.iter().map(|&t| t as u32).collect();
         assert!(
@@ -162,42 +162,43 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     }
 }
 
+/// How a served session starts before its round.
+#[derive(Clone, Copy)]
+enum Opening {
+    Cold,
+    /// Warmed as drafter-svc warms a session opening on an idle head.
+    Warmed,
+    /// Its first three context rows in a message of their own, taken in ahead of the round.
+    ContextInTwo,
+}
+
 /// A budget-15 tree from `head` as drafter-svc's engine serves it (`draft_vocab` as its flag),
-/// with its spine to the block's last offset if `spine`, from a session warmed first if `warm`.
+/// with its spine to the block's last offset if `spine`, from a session opened as `opening` says.
 fn served_tree(
     head: &std::path::Path,
     target: &std::path::Path,
     draft_vocab: DraftVocabChoice,
     spine: bool,
-    warm: bool,
+    opening: Opening,
 ) -> glance_spec::tree::Tree {
     use drafter_svc::engines::BlockHeadEngine;
     use glance_spec::session::{DraftEngine, RoundInput};
     let engine = BlockHeadEngine::load(head, target, Kind::Float, Device::Cpu, 4096, draft_vocab).unwrap();
     let mut session = engine.new_session();
-    if warm {
-        session.warm();
-    }
-    let states = tch::Tensor::zeros([5, 3 * 64], (Kind::Float, Device::Cpu));
-    session.append_context(0, &[1, 2, 3, 4, 5], Some(states)).unwrap();
-    session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine }).unwrap()
-}
-
-/// [`served_tree`]'s round (all vocabulary, no spine, cold) with its first three context rows
-/// taken in ahead of the round.
-fn chunked_tree(head: &std::path::Path, target: &std::path::Path) -> glance_spec::tree::Tree {
-    use drafter_svc::engines::BlockHeadEngine;
-    use glance_spec::session::{DraftEngine, RoundInput};
-    let engine =
-        BlockHeadEngine::load(head, target, Kind::Float, Device::Cpu, 4096, DraftVocabChoice::All).unwrap();
-    let mut session = engine.new_session();
     let states = |rows: i64| tch::Tensor::zeros([rows, 3 * 64], (Kind::Float, Device::Cpu));
-    session.append_context(0, &[1, 2, 3], Some(states(3))).unwrap();
-    session.ingest().unwrap();
-    session.append_context(3, &[4, 5], Some(states(2))).unwrap();
-    session
-        .draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine: false })
-        .unwrap()
+    match opening {
+        Opening::Cold => session.append_context(0, &[1, 2, 3, 4, 5], Some(states(5))).unwrap(),
+        Opening::Warmed => {
+            session.warm();
+            session.append_context(0, &[1, 2, 3, 4, 5], Some(states(5))).unwrap();
+        }
+        Opening::ContextInTwo => {
+            session.append_context(0, &[1, 2, 3], Some(states(3))).unwrap();
+            session.ingest().unwrap();
+            session.append_context(3, &[4, 5], Some(states(2))).unwrap();
+        }
+    }
+    session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine }).unwrap()
 }
 
 /// A draft vocabulary changes only which tokens are scored: the marginals are the full pass's
