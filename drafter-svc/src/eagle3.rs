@@ -271,7 +271,7 @@ impl Eagle3Head {
                 Activation::Silu,
             )?,
             norm: norm(ckpt, &format!("{top}norm"))?,
-            lm_head: ckpt.take("lm_head.weight", &[c.draft_vocab_size, h])?,
+            lm_head: ckpt.take_matrix("lm_head.weight", &[c.draft_vocab_size, h])?,
             draft_to_target: Tensor::zeros([0], (Kind::Int64, device)),
             draft_to_target_host: Vec::new(),
             embed: embed.to_device(device).to_kind(kind),

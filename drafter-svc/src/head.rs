@@ -13,7 +13,9 @@ use std::path::Path;
 
 use glance_models::config::TargetConfig;
 use glance_models::kv_cache::{CacheError, KvCache};
-use glance_models::layers::{inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu};
+use glance_models::layers::{
+    gemm_layout, inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu,
+};
 use glance_models::weights::{read_named_tensors, Checkpoint, WeightsError};
 use glance_models::{ModelError, TextConfig};
 use glance_spec::tree::{Marginals, TokenId, TreeError};
@@ -295,6 +297,10 @@ impl DraftHead {
         let (kind, device) = (ckpt.kind(), ckpt.device());
         let embed = embed.detach().to_device(device).to_kind(kind);
         let lm_head = lm_head.detach().to_device(device).to_kind(kind);
+        // A tied LM head stays the embedding's storage: a second copy of a large vocabulary's
+        // matrix is not worth the few percent of a full-vocabulary draft it would save.
+        let tied = lm_head.data_ptr() == embed.data_ptr();
+        let lm_head = if ckpt.is_trainable() || tied { lm_head } else { gemm_layout(lm_head) };
         check_shared_matrices(&config, &embed, &lm_head)?;
         let prefix = weight_prefix(ckpt)?;
         let c = &config;
@@ -352,7 +358,7 @@ impl DraftHead {
             return Err(HeadError::Input("a draft vocabulary needs distinct tokens, at least one".into()));
         }
         let rows = glance_models::upload(ids, self.device);
-        let lm_head = tch::no_grad(|| self.lm_head.index_select(0, &rows));
+        let lm_head = tch::no_grad(|| gemm_layout(self.lm_head.index_select(0, &rows)));
         let ids = ids.iter().map(|&id| id as TokenId).collect();
         self.draft_vocab = Some(RestrictedVocab { ids, lm_head });
         Ok(())

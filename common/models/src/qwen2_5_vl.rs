@@ -5,7 +5,7 @@
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::layers::{Activation, Linear, RmsNorm, SwiGlu};
+use super::layers::{gemm_layout, Activation, Linear, RmsNorm, SwiGlu};
 use super::text::{TextModel, VisionEmbeds};
 use super::{
     multimodal_ids, per_frame_segments, vision_patch_coords, vision_rotary, ModelError, MultimodalIds,
@@ -110,7 +110,7 @@ impl VisionModel {
             &[dim, c.in_channels(), c.temporal_patch_size, c.patch_size, c.patch_size],
         )?;
         // Conv3d with kernel == stride over a whole patch is a linear map of the flattened patch.
-        let patch_embed = Linear::from_weight(conv.reshape([dim, -1]));
+        let patch_embed = Linear::from_weight(gemm_layout(conv.reshape([dim, -1])));
         let blocks = (0..c.depth)
             .map(|i| VisionBlock::load(ckpt, &format!("{p}.blocks.{i}"), c))
             .collect::<Result<Vec<_>, _>>()?;

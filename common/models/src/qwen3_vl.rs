@@ -5,7 +5,7 @@
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::layers::{Activation, LayerNorm, Linear};
+use super::layers::{gemm_layout, Activation, LayerNorm, Linear};
 use super::text::{TextModel, VisionEmbeds};
 use super::{
     multimodal_ids, per_frame_segments, vision_patch_coords, vision_rotary, ModelError, MultimodalIds,
@@ -130,7 +130,7 @@ impl VisionModel {
             &[dim, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size],
         )?;
         let conv_bias = ckpt.take(&format!("{p}.patch_embed.proj.bias"), &[dim])?;
-        let patch_embed_weight = conv.reshape([dim, c.patch_dim()]);
+        let patch_embed_weight = gemm_layout(conv.reshape([dim, c.patch_dim()]));
         let patch_embed = Linear::from_parts(patch_embed_weight, Some(conv_bias));
         let pos_embed = ckpt.take(&format!("{p}.pos_embed.weight"), &[c.num_position_embeddings, dim])?;
         let blocks = (0..c.depth)

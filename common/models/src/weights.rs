@@ -114,6 +114,14 @@ impl Checkpoint {
         Ok(tensor)
     }
 
+    /// [`Checkpoint::take`] for the (out, in) matrix of a linear map: a frozen one is kept in the
+    /// layout its matmul runs fastest from ([`crate::layers::gemm_layout`]); a trainable one is the
+    /// recorded parameter itself.
+    pub fn take_matrix(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, WeightsError> {
+        let matrix = self.take(name, shape)?;
+        Ok(if self.trainable { matrix } else { crate::layers::gemm_layout(matrix) })
+    }
+
     /// A stored tensor as it is, on the checkpoint's device but in its own dtype (integer tables
     /// such as a draft vocabulary's index map), under exactly `name`.
     pub fn take_raw(&mut self, name: &str) -> Result<Tensor, WeightsError> {
