@@ -94,14 +94,20 @@ fn run_calls(head: &DraftHead, calls: &[Call]) -> Result<Vec<f64>> {
         .collect()
 }
 
+/// The fixture head `head_name` in f32 beside its `target`, and its directory (the dumps).
+fn f32_head(root: &Path, head_name: &str, target: &str) -> Result<(PathBuf, DraftHead)> {
+    let head_dir = root.join(head_name);
+    let head = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+    Ok((head_dir, head))
+}
+
 #[test]
 fn draft_logits_match_the_torch_reference() -> Result<()> {
     let Some(root) = fixture_root() else {
         return Ok(());
     };
     for (head_name, target) in PAIRS {
-        let head_dir = root.join(head_name);
-        let head = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+        let (head_dir, head) = f32_head(&root, head_name, target)?;
         assert_eq!(head.block_size(), 16);
         assert_eq!(head.mask_token_id(), 11);
         assert_eq!(head.tap_layers(), &[0, 1, 2]);
@@ -113,7 +119,7 @@ fn draft_logits_match_the_torch_reference() -> Result<()> {
             assert!(*diff <= F32_TOLERANCE, "{head_name} call {i}: max |Δ| {diff}");
         }
         // Serving precomputes the rotary tables: the same logits, bit for bit.
-        let mut served = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+        let (_, mut served) = f32_head(&root, head_name, target)?;
         served.precompute_rotary(64);
         assert_eq!(
             run_calls(&served, &calls)?,
@@ -132,8 +138,7 @@ fn context_taken_in_ahead_matches_the_torch_reference() -> Result<()> {
         return Ok(());
     };
     for (head_name, target) in PAIRS {
-        let head_dir = root.join(head_name);
-        let head = DraftHead::load(&head_dir, &root.join(target), Kind::Float, Device::Cpu)?;
+        let (head_dir, head) = f32_head(&root, head_name, target)?;
         let mut cache = head.new_cache(64);
         for (i, call) in reference_calls(&head_dir)?.iter().enumerate() {
             head.ingest(&mut cache, &call.context)?;
@@ -197,8 +202,7 @@ fn refuses_inputs_that_would_desync_the_cache() -> Result<()> {
     let Some(root) = fixture_root() else {
         return Ok(());
     };
-    let head_dir = root.join(HEAD);
-    let head = DraftHead::load(&head_dir, &root.join(TARGET), Kind::Float, Device::Cpu)?;
+    let (head_dir, head) = f32_head(&root, HEAD, TARGET)?;
     let calls = reference_calls(&head_dir)?;
     let first = &calls[0];
     let mut cache = head.new_cache(64);

@@ -10,7 +10,9 @@ use std::hash::{Hash, Hasher};
 
 use tch::Tensor;
 
-use crate::session::{DraftEngine, DraftError, DrafterKind, Handshake, RoundInput, Session, TokenHistory};
+use crate::session::{
+    check_continues, check_root_at, DraftEngine, DraftError, DrafterKind, Handshake, RoundInput, Session,
+};
 use crate::tree::{TokenId, Tree};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -219,7 +221,6 @@ impl DraftEngine for PromptLookupEngine {
     fn new_session(&self) -> Box<dyn Session> {
         Box::new(PromptLookupSession {
             lookup: self.lookup.clone(),
-            history: TokenHistory::default(),
             indexed: IndexedHistory::new(self.lookup.max_ngram),
         })
     }
@@ -227,9 +228,8 @@ impl DraftEngine for PromptLookupEngine {
 
 struct PromptLookupSession {
     lookup: PromptLookup,
-    /// The context as received (what checks the verifier's positions).
-    history: TokenHistory,
-    /// The same tokens, indexed for the lookup.
+    /// The context as received, indexed for the lookup (its length checks the verifier's
+    /// positions).
     indexed: IndexedHistory,
 }
 
@@ -240,13 +240,13 @@ impl Session for PromptLookupSession {
         tokens: &[TokenId],
         _: Option<Tensor>,
     ) -> Result<(), DraftError> {
-        self.history.append(first, tokens)?;
+        check_continues(self.indexed.len(), first)?;
         self.indexed.extend(tokens);
         Ok(())
     }
 
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
-        self.history.check_root(round)?;
+        check_root_at(self.indexed.len(), round)?;
         let found = self.lookup.find_after(&mut self.indexed, round.root_token);
         let mut tree = found.map(|(_, tree)| tree).unwrap_or_default();
         tree.truncate(round.budget);

@@ -117,6 +117,22 @@ pub trait Session: Send {
     fn warm(&mut self) {}
 }
 
+/// Context appended at `first_position` must continue a history of `len` tokens, without a gap.
+pub fn check_continues(len: usize, first_position: usize) -> Result<(), DraftError> {
+    if first_position != len {
+        return Err(DraftError::ContextGap { expected: len, got: first_position });
+    }
+    Ok(())
+}
+
+/// A round's root must sit right after a history of `len` tokens.
+pub fn check_root_at(len: usize, round: &RoundInput) -> Result<(), DraftError> {
+    if round.root_position != len {
+        return Err(DraftError::RootPosition { root: round.root_position, context: len });
+    }
+    Ok(())
+}
+
 /// The token history every session keeps, with the gap and root checks all engines need.
 #[derive(Default)]
 pub struct TokenHistory {
@@ -125,18 +141,13 @@ pub struct TokenHistory {
 
 impl TokenHistory {
     pub fn append(&mut self, first_position: usize, tokens: &[TokenId]) -> Result<(), DraftError> {
-        if first_position != self.tokens.len() {
-            return Err(DraftError::ContextGap { expected: self.tokens.len(), got: first_position });
-        }
+        check_continues(self.tokens.len(), first_position)?;
         self.tokens.extend_from_slice(tokens);
         Ok(())
     }
 
     pub fn check_root(&self, round: &RoundInput) -> Result<(), DraftError> {
-        if round.root_position != self.tokens.len() {
-            return Err(DraftError::RootPosition { root: round.root_position, context: self.tokens.len() });
-        }
-        Ok(())
+        check_root_at(self.tokens.len(), round)
     }
 
     /// History with the root appended: the sequence the next tokens continue.
