@@ -21,8 +21,29 @@ impl Linear {
         bias: bool,
     ) -> Result<Self, WeightsError> {
         let weight = ckpt.take_matrix(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
-        let bias = if bias { Some(ckpt.take(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
-        Ok(Self { weight, bias })
+        Ok(Self { weight, bias: Self::take_bias(ckpt, prefix, out_dim, bias)? })
+    }
+
+    /// Like [`Linear::load`], the weight kept as stored: for parts about to be fused, whose
+    /// concatenation gets the fast layout once.
+    fn load_as_stored(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        in_dim: i64,
+        out_dim: i64,
+        bias: bool,
+    ) -> Result<Self, WeightsError> {
+        let weight = ckpt.take(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+        Ok(Self { weight, bias: Self::take_bias(ckpt, prefix, out_dim, bias)? })
+    }
+
+    fn take_bias(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        out_dim: i64,
+        bias: bool,
+    ) -> Result<Option<Tensor>, WeightsError> {
+        bias.then(|| ckpt.take(&format!("{prefix}.bias"), &[out_dim])).transpose()
     }
 
     /// A bias that exists only in some checkpoints is loaded when present.
@@ -118,7 +139,7 @@ impl FusedLinear {
     ) -> Result<Self, WeightsError> {
         let parts = parts
             .iter()
-            .map(|(prefix, out_dim)| Linear::load(ckpt, prefix, in_dim, *out_dim, bias))
+            .map(|(prefix, out_dim)| Linear::load_as_stored(ckpt, prefix, in_dim, *out_dim, bias))
             .collect::<Result<Vec<_>, _>>()?;
         if ckpt.is_trainable() {
             return Ok(Self { fused: None, parts });
