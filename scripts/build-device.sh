@@ -32,7 +32,7 @@ TESTS=(model_parity text_model_parity spec_lossless device_crossings)
 if ! "$DEVICE_VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$DEVICE_TORCH')" 2>/dev/null; then
   echo "build-device: installing torch==$DEVICE_TORCH into .venv-device (about 2.6 GB, a few minutes)"
   python3 -m venv "$DEVICE_VENV"
-  "$DEVICE_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$DEVICE_TORCH"
+  "$DEVICE_VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "torch==$DEVICE_TORCH"
 fi
 [ "${1:-}" = --prepare ] && exit 0
 scripts/setup.sh >/dev/null # the fixtures, and the normal build to restore at the end

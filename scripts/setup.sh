@@ -25,7 +25,13 @@ assert torchvision.__version__.startswith("0.28.0")
 PY
 then
   echo "setup: installing ${PY_PINS[*]} (about 2.6 GB, a few minutes)"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check "${PY_PINS[@]}"
+  # The wheels and what they unpack to are on disk together for a moment (about 8 GB): say so
+  # plainly up front rather than through pip's "No space left on device" traceback.
+  free_gb=$(( $(df -Pk . | awk 'NR == 2 { print $4 }') >> 20 ))
+  if [ "$free_gb" -lt 8 ]; then
+    echo "setup: warning: only ${free_gb} GB free under $GLANCE_ROOT; the install needs about 8 GB, the build 5 GB more" >&2
+  fi
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir "${PY_PINS[@]}"
 fi
 
 # The reference fixtures are regenerated only when the script that makes them changes.

@@ -37,7 +37,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null || true)" != "$w
   echo "validate-deploy: installing the pinned tools ($REQ) into $VENV"
   rm -rf "$VENV"
   python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-input -r "$REQ"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-input -r "$REQ"
   echo "$want" > "$stamp"
 fi
 
