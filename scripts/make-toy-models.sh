@@ -19,13 +19,14 @@ if [ "${1:-}" != "--head-only" ]; then
 fi
 rm -rf models/toy-head
 ./target/release/drafter-svc train --target models/toy-target --out models/toy-head --seed "$SEED" \
-  --rows "${GLANCE_TOY_HEAD_ROWS:-3000}" --held-out-rows 50 --steps "${GLANCE_TOY_HEAD_STEPS:-16000}" \
-  --layers 2 --taps 0,1,2,3 --eval-every 2000 --checkpoint-every 2000 --threads 2
-rm -rf models/toy-head/init models/toy-head/train_state.safetensors
+  --rows "${GLANCE_TOY_HEAD_ROWS:-10000}" --held-out-rows 50 --steps "${GLANCE_TOY_HEAD_STEPS:-32000}" \
+  --layers 2 --taps 0,1,2,3 --eval-every 4000 --checkpoint-every 4000 --threads 2
+rm -rf models/toy-head/init models/toy-head/train_state.safetensors models/toy-head/regenerated.jsonl \
+  models/toy-head/tap_states.*.safetensors
 rm -rf models/toy-eagle3
 ./target/release/drafter-svc train --kind eagle3 --target models/toy-target --out models/toy-eagle3 \
-  --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-3000}" --held-out-rows 50 \
-  --steps "${GLANCE_TOY_HEAD_STEPS:-16000}" --taps 0,1,3 --eval-every 2000 --checkpoint-every 2000 \
+  --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-10000}" --held-out-rows 50 \
+  --steps "${GLANCE_TOY_HEAD_STEPS:-32000}" --taps 0,1,3 --eval-every 4000 --checkpoint-every 4000 \
   --eval-depth 6 --threads 2
 rm -rf models/toy-eagle3/init models/toy-eagle3/train_state.safetensors models/toy-eagle3/regenerated.jsonl \
   models/toy-eagle3/tap_states.*.safetensors
