@@ -20,8 +20,7 @@ impl Linear {
         out_dim: i64,
         bias: bool,
     ) -> Result<Self, WeightsError> {
-        let weight = ckpt.take_matrix(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
-        Ok(Self { weight, bias: Self::take_bias(ckpt, prefix, out_dim, bias)? })
+        Self::load_with(ckpt, prefix, [out_dim, in_dim], bias, Checkpoint::take_matrix)
     }
 
     /// Like [`Linear::load`], the weight kept as stored: for parts about to be fused, whose
@@ -33,17 +32,20 @@ impl Linear {
         out_dim: i64,
         bias: bool,
     ) -> Result<Self, WeightsError> {
-        let weight = ckpt.take(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
-        Ok(Self { weight, bias: Self::take_bias(ckpt, prefix, out_dim, bias)? })
+        Self::load_with(ckpt, prefix, [out_dim, in_dim], bias, Checkpoint::take)
     }
 
-    fn take_bias(
+    /// The weight (out, in) by `take_weight`, the bias (out) when `bias`.
+    fn load_with(
         ckpt: &mut Checkpoint,
         prefix: &str,
-        out_dim: i64,
+        [out_dim, in_dim]: [i64; 2],
         bias: bool,
-    ) -> Result<Option<Tensor>, WeightsError> {
-        bias.then(|| ckpt.take(&format!("{prefix}.bias"), &[out_dim])).transpose()
+        take_weight: fn(&mut Checkpoint, &str, &[i64]) -> Result<Tensor, WeightsError>,
+    ) -> Result<Self, WeightsError> {
+        let weight = take_weight(ckpt, &format!("{prefix}.weight"), &[out_dim, in_dim])?;
+        let bias = bias.then(|| ckpt.take(&format!("{prefix}.bias"), &[out_dim])).transpose()?;
+        Ok(Self { weight, bias })
     }
 
     /// A bias that exists only in some checkpoints is loaded when present.
