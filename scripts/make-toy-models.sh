@@ -12,6 +12,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
 cargo build --release --workspace --bins --quiet
 SEED="${GLANCE_TOY_SEED:-0}"
+# Deletes what `train` leaves in a head's directory besides the head: its initial weights, optimizer state,
+# regenerated rows and tap states (gigabytes); only config, weights and draft vocabulary are kept.
+drop_training_scratch() {
+  rm -rf "$1/init" "$1/train_state.safetensors" "$1/regenerated.jsonl" "$1"/tap_states.*.safetensors
+}
 if [ "${1:-}" != "--head-only" ]; then
   rm -rf models/toy-target
   ./target/release/toyworld train-target --out models/toy-target --seed "$SEED" \
@@ -21,13 +26,11 @@ rm -rf models/toy-head
 ./target/release/drafter-svc train --target models/toy-target --out models/toy-head --seed "$SEED" \
   --rows "${GLANCE_TOY_HEAD_ROWS:-10000}" --held-out-rows 50 --steps "${GLANCE_TOY_HEAD_STEPS:-32000}" \
   --layers 2 --taps 0,1,2,3 --eval-every 4000 --checkpoint-every 4000 --threads 2
-rm -rf models/toy-head/init models/toy-head/train_state.safetensors models/toy-head/regenerated.jsonl \
-  models/toy-head/tap_states.*.safetensors
+drop_training_scratch models/toy-head
 rm -rf models/toy-eagle3
 ./target/release/drafter-svc train --kind eagle3 --target models/toy-target --out models/toy-eagle3 \
   --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-10000}" --held-out-rows 50 \
   --steps "${GLANCE_TOY_HEAD_STEPS:-32000}" --taps 0,1,3 --eval-every 4000 --checkpoint-every 4000 \
   --eval-depth 6 --threads 2
-rm -rf models/toy-eagle3/init models/toy-eagle3/train_state.safetensors models/toy-eagle3/regenerated.jsonl \
-  models/toy-eagle3/tap_states.*.safetensors
+drop_training_scratch models/toy-eagle3
 ./target/release/toyworld eval --model models/toy-target --seed "$SEED" --samples 100
