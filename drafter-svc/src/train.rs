@@ -378,39 +378,51 @@ pub(crate) struct RowBuilder<'a> {
 }
 
 impl RowBuilder<'_> {
+    /// Prompts turned into model inputs at a time. A prompt's inputs hold its images' pixels, so
+    /// tens of thousands of them at once do not fit in memory (30,000 toy-world rows took over
+    /// 24 GB); only the rows' tokens and tap states are kept for training.
+    const CHUNK: usize = 512;
+
     pub(crate) fn build(
         &self,
         source: &DataSource,
         held_out: bool,
         count: usize,
     ) -> Result<Vec<Row>, TrainError> {
-        let mut inputs = Vec::with_capacity(count);
-        for messages in prompts_of(source, held_out, count)? {
-            let prompt = self.prompts.build(&messages).map_err(|e| TrainError::Data(e.to_string()))?;
-            inputs.push(prompt.model_inputs());
-        }
-        let responses = self.responses(&inputs)?;
-        let names: Vec<String> = inputs.iter().zip(&responses).map(|(i, r)| self.state_name(i, r)).collect();
+        let messages = prompts_of(source, held_out, count)?;
         let path = self.cache.with_file_name(if held_out {
             "tap_states.held_out.safetensors"
         } else {
             "tap_states.train.safetensors"
         });
         let mut cached = read_state_cache(&path);
-        let bar = progress_bar(inputs.len(), 0);
-        let (mut rows, mut computed) = (Vec::with_capacity(inputs.len()), 0);
-        for ((inputs, response), name) in inputs.iter().zip(responses).zip(&names) {
-            let _no_grad = tch::no_grad_guard();
-            let states = match cached.remove(name) {
-                Some(states) => states.to_device(self.target.device()),
-                None => {
-                    computed += 1;
-                    teacher_forced_states(self.target, inputs, &response, self.taps)?
-                }
-            };
-            let tokens = inputs.input_ids.iter().chain(&response).copied().collect();
-            rows.push(Row { tokens, response_start: inputs.input_ids.len(), states });
-            bar.inc(1);
+        let mut known = read_row_cache(&self.cache)?;
+        let bar = progress_bar(messages.len(), 0);
+        let mut rows = Vec::with_capacity(messages.len());
+        let mut names = Vec::with_capacity(messages.len());
+        let mut computed = 0;
+        for chunk in messages.chunks(Self::CHUNK) {
+            let inputs = chunk
+                .iter()
+                .map(|m| self.prompts.build(m).map(|p| p.model_inputs()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TrainError::Data(e.to_string()))?;
+            let responses = self.responses(&inputs, &mut known)?;
+            for (inputs, response) in inputs.iter().zip(responses) {
+                let _no_grad = tch::no_grad_guard();
+                let name = self.state_name(inputs, &response);
+                let states = match cached.remove(&name) {
+                    Some(states) => states.to_device(self.target.device()),
+                    None => {
+                        computed += 1;
+                        teacher_forced_states(self.target, inputs, &response, self.taps)?
+                    }
+                };
+                let tokens = inputs.input_ids.iter().chain(&response).copied().collect();
+                rows.push(Row { tokens, response_start: inputs.input_ids.len(), states });
+                names.push(name);
+                bar.inc(1);
+            }
         }
         bar.finish_and_clear();
         if computed > 0 {
@@ -434,13 +446,15 @@ impl RowBuilder<'_> {
         format!("{:016x}", glance_train::rng::hash_bytes(key.as_bytes()))
     }
 
-    /// Each prompt's greedy response: from the cache, else regenerated (`batch` prompts at a
-    /// time) and appended to it.
-    fn responses(&self, inputs: &[ModelInputs]) -> Result<Vec<Vec<i64>>, TrainError> {
-        let mut known = read_row_cache(&self.cache)?;
+    /// Each prompt's greedy response: from `known` (the cache's rows), else regenerated (`batch`
+    /// prompts at a time) and appended to the cache.
+    fn responses(
+        &self,
+        inputs: &[ModelInputs],
+        known: &mut std::collections::HashMap<String, Vec<i64>>,
+    ) -> Result<Vec<Vec<i64>>, TrainError> {
         let keys: Vec<String> = inputs.iter().map(|i| CachedRow::key(i, self.max_new_tokens)).collect();
         let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !known.contains_key(&keys[i])).collect();
-        let bar = progress_bar(missing.len(), 0);
         for chunk in missing.chunks(self.batch.max(1)) {
             let responses = if chunk.len() > 1 {
                 let batch: Vec<&ModelInputs> = chunk.iter().map(|&i| &inputs[i]).collect();
@@ -454,9 +468,7 @@ impl RowBuilder<'_> {
                 append_row_cache(&self.cache, &keys[i], &response)?;
                 known.insert(keys[i].clone(), response);
             }
-            bar.inc(chunk.len() as u64);
         }
-        bar.finish_and_clear();
         Ok(keys.iter().map(|k| known[k].clone()).collect())
     }
 }
