@@ -24,13 +24,13 @@ if [ "${1:-}" != "--head-only" ]; then
 fi
 rm -rf models/toy-head
 ./target/release/drafter-svc train --target models/toy-target --out models/toy-head --seed "$SEED" \
-  --rows "${GLANCE_TOY_HEAD_ROWS:-10000}" --held-out-rows 50 --steps "${GLANCE_TOY_HEAD_STEPS:-32000}" \
-  --layers 2 --taps 0,1,2,3 --eval-every 4000 --checkpoint-every 4000 --threads 2
+  --rows "${GLANCE_TOY_HEAD_ROWS:-20000}" --held-out-rows 50 --steps "${GLANCE_TOY_HEAD_STEPS:-64000}" \
+  --layers 2 --taps 0,1,2,3 --eval-every 8000 --checkpoint-every 8000 --threads 2
 drop_training_scratch models/toy-head
 rm -rf models/toy-eagle3
 ./target/release/drafter-svc train --kind eagle3 --target models/toy-target --out models/toy-eagle3 \
-  --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-10000}" --held-out-rows 50 \
-  --steps "${GLANCE_TOY_HEAD_STEPS:-32000}" --taps 0,1,3 --eval-every 4000 --checkpoint-every 4000 \
+  --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-20000}" --held-out-rows 50 \
+  --steps "${GLANCE_TOY_HEAD_STEPS:-64000}" --taps 0,1,3 --eval-every 8000 --checkpoint-every 8000 \
   --eval-depth 6 --threads 2
 drop_training_scratch models/toy-eagle3
 ./target/release/toyworld eval --model models/toy-target --seed "$SEED" --samples 100

@@ -22,8 +22,9 @@ const SERVED: u64 = 10;
 /// on 100: 96%, 96%, 100%, see `models/README.md`).
 const MIN_EXACT_MATCH: f64 = 0.9;
 /// The lowest pooled tau accepted per task with tree budget 31 on these prompts (recorded with the
-/// head of 2026-12-05: doc 4.32, chart 12.18).
-const MIN_TAU: [(Task, f64); 2] = [(Task::Doc, 3.8), (Task::Chart, 10.0)];
+/// head of 2026-12-05 trained on 20,000 rows: doc 6.52, chart 12.24; the one before it, on 10,000
+/// rows, reached doc 4.32).
+const MIN_TAU: [(Task, f64); 2] = [(Task::Doc, 5.8), (Task::Chart, 10.0)];
 
 fn models() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
