@@ -46,6 +46,12 @@ pub fn geomean(values: impl IntoIterator<Item = f64>) -> f64 {
     (logs / n.max(1) as f64).exp()
 }
 
+/// Sorts `values` and returns their median (the upper one of an even count).
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 /// An output that differs from the autoregressive one: where, and for greedy decoding the target's
 /// top-2 logit margin there (a tie or near-tie in bf16 is rounding, not a bug). A sampled output
 /// has no margin to report: its token is a draw, not an argmax.

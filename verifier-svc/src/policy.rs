@@ -500,9 +500,9 @@ impl RoundPolicy {
     /// Before a round: ask the drafter, or take a greedy step? `root_entropy` is the target's at
     /// the pending root (nats), when known; `horizon` the deepest a tree may go; `context_rows`
     /// the rows the request will carry. The drafting overlaps greedy steps (see
-    /// [`RoundPolicy::step_while_drafting`]), so a round is worth asking for when what the tree
-    /// adds beyond those steps beats greedy decoding over the time the steps cannot hide (the
-    /// idle rest of the draft) plus the verify pass.
+    /// [`RoundPolicy::step_while_drafting`]), so a round is worth asking for when its cycle (those
+    /// steps' tokens and what the tree adds beyond them, over the steps' time beside the drafter,
+    /// the idle rest of the draft and the verify pass) beats greedy decoding.
     pub fn should_draft(&mut self, root_entropy: Option<f64>, horizon: usize, context_rows: usize) -> bool {
         if self.wait > 0 {
             self.wait -= 1;
@@ -521,9 +521,11 @@ impl RoundPolicy {
             .or(self.recent_commit.get())
             .unwrap_or(f64::INFINITY);
         let Some(verify) = self.typical_verify() else { return true };
-        // The round's tokens (the overlapped steps' among them, when the tree holds them) over its
-        // time, against greedy decoding's rate.
-        if expected / (self.draft_cycle(draft, step).secs + verify) >= 1.0 / step {
+        // The cycle's tokens (the greedy steps beside the drafter, then the round below them: the
+        // law and the recent commits are of rounds verified after their steps) over its time,
+        // against greedy decoding's rate, as the round is settled.
+        let cycle = self.draft_cycle(draft, step);
+        if (cycle.tokens + expected) / (cycle.secs + verify) >= 1.0 / step {
             return true;
         }
         self.back_off();
@@ -985,6 +987,25 @@ mod tests {
         assert!(policy.step_while_drafting(4, 0.002));
         policy.overlapped_step.observe(0.002);
         assert!(!policy.step_while_drafting(4, 0.002));
+    }
+
+    #[test]
+    fn a_draft_the_greedy_steps_hide_is_asked_for_when_the_round_below_them_pays() {
+        // 1 ms a step alone and beside the drafter, 0.1 ms a node; a prompt-sized draft of 3 ms,
+        // so three steps run beside it; rounds of 12 nodes (a 2.1 ms pass). A round committing 4
+        // tokens below those steps makes a cycle of 7 tokens in 5.1 ms: ask. One committing 1.5
+        // (4.5 tokens in 5.1 ms) does not pay.
+        let policy_committing = |commit: f64| {
+            let mut policy = RoundPolicy::with_costs(costs(0.001, 0.0001));
+            policy.warm_up_rounds = RoundPolicy::WARM_UP_ROUNDS;
+            policy.observe_draft(50, 0.003);
+            policy.recent_nodes.observe(12.0);
+            policy.recent_commit.observe(commit);
+            policy
+        };
+        assert_eq!(policy_committing(4.0).draft_cycle(0.003, 0.001).tokens, 3.0);
+        assert!(policy_committing(4.0).should_draft(None, 15, 50));
+        assert!(!policy_committing(1.5).should_draft(None, 15, 50));
     }
 
     #[test]

@@ -17,6 +17,7 @@ use glance_input::{PromptBuilder, PromptOptions};
 use glance_models::decode::{greedy_generate, Emitted, Generation, GreedyParams, ModelInputs, StepControl};
 use glance_models::sampling::Sampling;
 use glance_models::TargetModel;
+use glance_tests::bench::median;
 use glance_toyworld::{sample, Split, Task};
 use verifier_svc::policy::RoundPolicy;
 use verifier_svc::speculative::{
@@ -144,10 +145,4 @@ fn request_time(
 
 fn timed(generation: &Generation, whole: bool) -> Duration {
     generation.decode_time + if whole { generation.prefill_time } else { Duration::ZERO }
-}
-
-/// Sorts `samples` and returns the median.
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(|a, b| a.total_cmp(b));
-    samples[samples.len() / 2]
 }

@@ -10,6 +10,7 @@ use clap::Parser;
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
 use glance_models::TargetModel;
+use glance_tests::bench::median;
 use glance_tests::Case;
 
 #[derive(Parser)]
@@ -119,9 +120,4 @@ fn hf_rate(model_dir: &std::path::Path, args: &Args) -> f64 {
     let line = stdout.lines().rev().find(|l| l.starts_with('{')).expect("bench_hf.py printed no JSON");
     let value: serde_json::Value = serde_json::from_str(line).expect("bench_hf.py JSON");
     value["tokens_per_s_decode"].as_f64().expect("tokens_per_s_decode")
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(|a, b| a.total_cmp(b));
-    values[values.len() / 2]
 }
