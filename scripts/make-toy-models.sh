@@ -28,12 +28,11 @@ rm -rf models/toy-head
   --layers 2 --taps 0,1,2,3 --eval-every 8000 --checkpoint-every 8000 --threads 2
 drop_training_scratch models/toy-head
 rm -rf models/toy-eagle3
-# The committed EAGLE-3 head trained on the block head's first 10,000 rows for 32,000 steps (the
-# block head's own size until its 2026-12-05 retrain); the matched comparison needs both on the
-# same rows and steps again: GLANCE_TOY_EAGLE3_ROWS=20000 GLANCE_TOY_EAGLE3_STEPS=64000.
+# The matched peer: the block head's very rows (same seed, the regenerated responses and their
+# tap states) and steps.
 ./target/release/drafter-svc train --kind eagle3 --target models/toy-target --out models/toy-eagle3 \
-  --seed "$SEED" --rows "${GLANCE_TOY_EAGLE3_ROWS:-10000}" --held-out-rows 50 \
-  --steps "${GLANCE_TOY_EAGLE3_STEPS:-32000}" --taps 0,1,3 --eval-every 4000 --checkpoint-every 4000 \
+  --seed "$SEED" --rows "${GLANCE_TOY_HEAD_ROWS:-20000}" --held-out-rows 50 \
+  --steps "${GLANCE_TOY_HEAD_STEPS:-64000}" --taps 0,1,3 --eval-every 8000 --checkpoint-every 8000 \
   --eval-depth 6 --threads 2
 drop_training_scratch models/toy-eagle3
 ./target/release/toyworld eval --model models/toy-target --seed "$SEED" --samples 100
