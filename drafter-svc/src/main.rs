@@ -13,7 +13,6 @@ use glance_spec::prompt_lookup::PromptLookupEngine;
 use glance_spec::session::DraftEngine;
 use tch::{Device, Kind};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 #[derive(Parser)]
 #[command(
@@ -418,12 +417,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         server = server.tls_config(tls).map_err(|e| format!("TLS: {e}"))?;
     }
     server
-        .tcp_nodelay(true)
         .initial_stream_window_size(Some(glance_proto::drafter::HOP_WINDOW))
         .initial_connection_window_size(Some(glance_proto::drafter::HOP_WINDOW))
         .add_service(health_service)
         .add_service(drafter)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(glance_proto::transport::accepted_connections(listener), shutdown)
         .await
         .map_err(|e| e.to_string())
 }

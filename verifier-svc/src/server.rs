@@ -13,7 +13,6 @@ use glance_proto::v1 as pb;
 use glance_spec::prompt_lookup::PromptLookupEngine;
 use tch::{Device, Kind};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::config::Args;
@@ -329,7 +328,7 @@ pub async fn serve(
             drain.expire();
         });
     };
-    let mut server = tonic::transport::Server::builder().tcp_nodelay(true);
+    let mut server = tonic::transport::Server::builder();
     if let Some(tls) = loaded.tls {
         server = server.tls_config(tls).map_err(|e| StartupError::Serve(format!("TLS: {e}")))?;
     }
@@ -338,7 +337,7 @@ pub async fn serve(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(generation)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(glance_proto::transport::accepted_connections(listener), shutdown)
         .await
         .map_err(|e| StartupError::Serve(e.to_string()))
 }
