@@ -132,14 +132,15 @@ async fn main() {
         }
         // A long run leaves its figures so far behind (no margins or peer yet), prompt by prompt.
         let partial = format!("{out}.partial");
-        let (json, md) = report(&args, &setup, &modes, &cells, &[], None, &ar_tokens, &partial);
+        let (json, md) = report(&args, &setup, &modes, &cells, None, None, &ar_tokens, &partial);
         write_report(&partial, &json, &md);
     }
     bar.finish_and_clear();
     drop(pairs);
     let divergences = margins(&args, prompts, &ar_tokens, diverged);
     let peer = peer(&args, prompts);
-    let (json, md) = report(&args, &setup, &modes, &cells, &divergences, peer.as_ref(), &ar_tokens, &out);
+    let (json, md) =
+        report(&args, &setup, &modes, &cells, Some(&divergences), peer.as_ref(), &ar_tokens, &out);
     write_report(&out, &json, &md);
     let _ = std::fs::remove_file(format!("{out}.partial.json"));
     let _ = std::fs::remove_file(format!("{out}.partial.md"));
@@ -228,7 +229,8 @@ fn report(
     setup: &matched::Setup,
     modes: &[Mode],
     cells: &[Cell],
-    divergences: &[Divergence],
+    // None in a partial report: the margins are computed once every prompt has run.
+    divergences: Option<&[Divergence]>,
     peer: Option<&PeerRun>,
     ar_tokens: &[Vec<u32>],
     out: &str,
@@ -287,7 +289,10 @@ fn report(
         eprintln!("bench_chat: no plot: {e}");
     }
     let peer_json = peer.map(|p| peer_section(p, &cells[0], ar_tokens, &args.services.dtype, &mut md));
-    md += &bench::divergence_section(divergences);
+    md += &match divergences {
+        Some(divergences) => bench::divergence_section(divergences),
+        None => "\nThe step and top-2 margin of each divergence come with the final report.\n".into(),
+    };
     let matched = setup.services.compares().then(|| {
         let cells: matched::Cells = cells.iter().enumerate().map(|(m, c)| ((0, m), c.clone())).collect();
         let (json, section) = matched::comparison(setup, &["held-out chat"], modes, &cells);
@@ -298,7 +303,7 @@ fn report(
         "model": model, "dtype": args.services.dtype, "temperature": args.temperature, "prompts": cells[0].prompts, "max_new_tokens": args.max_new_tokens,
         "threads_per_service": args.services.threads_per_service, "draft_vocab": args.services.draft_vocab.to_string(), "modes": json_modes, "law": bench::law_json(logs),
         "law_mode": law_name, "peer": peer_json, "matched": matched,
-        "divergences": divergences.iter().map(Divergence::json).collect::<Vec<_>>(),
+        "divergences": divergences.map(|d| d.iter().map(Divergence::json).collect::<Vec<_>>()),
     });
     (json, md)
 }
