@@ -55,11 +55,12 @@ const TRANSFORMERS_TOLERANCE: f32 = 1e-4;
 /// Between a verify pass and a step of the same model (f32): the 1e-5 for greedy decoding.
 /// The tiny Llama's strong initialization (logits up to 10, llama3 rope scaling) makes its verify
 /// rows and steps round apart by up to ~4e-5 in the logits themselves (5.8e-5 in its values with
-/// the AVX-512 kernels of a Zen 4 core), so its values get the models' parity bound, 1e-4.
+/// the AVX-512 kernels of a Zen 4 core), so its values get the models' parity bound
+/// ([`TRANSFORMERS_TOLERANCE`]).
 /// Sampling divides the logits by the temperature before the softmax, and their rounding with
 /// them: below temperature 1 the bound grows by 1/temperature.
 fn modes_tolerance(family: &str, sampling: &Sampling) -> f32 {
-    let greedy: f32 = if family == "tiny-llama" { 1e-4 } else { 1e-5 };
+    let greedy: f32 = if family == "tiny-llama" { TRANSFORMERS_TOLERANCE } else { 1e-5 };
     let scale = if sampling.temperature > 0.0 { (1.0 / sampling.temperature as f32).max(1.0) } else { 1.0 };
     greedy * scale
 }
