@@ -258,6 +258,10 @@ struct TrainArgs {
     device: String,
     #[arg(long)]
     threads: Option<i32>,
+    /// The dtype the head's model.safetensors is written in (`f32` or `bf16`: half the bytes;
+    /// training runs in f32 either way, and a resumed run continues from the f32 weights).
+    #[arg(long, default_value = "f32")]
+    save_dtype: String,
 }
 
 fn main() {
@@ -484,6 +488,8 @@ fn train(args: TrainArgs) -> Result<(), String> {
             0 => drafter_svc::train::LossVocab::Full,
             frequent => drafter_svc::train::LossVocab::Sampled { frequent, negatives: args.loss_negatives },
         },
+        save_kind: glance_models::weights::parse_kind(&args.save_dtype)
+            .ok_or_else(|| format!("--save-dtype: f32, bf16 or f16, not {}", args.save_dtype))?,
     };
     let trained = match args.kind {
         HeadKind::BlockHead => {

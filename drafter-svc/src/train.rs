@@ -94,6 +94,9 @@ pub struct TrainConfig {
     /// Prompts whose responses are regenerated together (padded, batched greedy).
     pub regen_batch: usize,
     pub loss_vocab: LossVocab,
+    /// The dtype `model.safetensors` is written in (training itself runs in f32; with another
+    /// dtype the f32 weights go into the training state, so a resumed run continues from them).
+    pub save_kind: Kind,
 }
 
 /// Which vocabulary rows the training loss scores.
@@ -215,7 +218,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
             progress.evaluated(step, tch::no_grad(|| acceptance(&head, &held_out)), &mut log);
         }
         if due(config.checkpoint_every, step, config.steps) {
-            save(&config.out, &head_dir, &named, &[], &optimizer, step + 1)?;
+            save(&config.out, &head_dir, &named, &[], &optimizer, step + 1, config.save_kind)?;
         }
     }
     if config.eval_every == 0 {
@@ -752,20 +755,31 @@ pub(crate) fn save(
     buffers: &[(String, Tensor)],
     optimizer: &AdamW,
     step: usize,
+    save_kind: Kind,
 ) -> Result<(), TrainError> {
     let _no_grad = tch::no_grad_guard();
     save::create_dir(out)?;
     if head_dir != out {
         save::copy_file(&head_dir.join("config.json"), &out.join("config.json"))?;
     }
+    let as_saved = |t: &Tensor| match t.is_floating_point() {
+        true => t.detach().to_kind(save_kind).contiguous(),
+        false => t.detach().contiguous(),
+    };
     let weights: Vec<(String, Tensor)> =
-        named.iter().chain(buffers).map(|(n, t)| (n.clone(), t.detach().contiguous())).collect();
+        named.iter().chain(buffers).map(|(n, t)| (n.clone(), as_saved(t))).collect();
     save::write_safetensors(&out.join("model.safetensors"), &weights)?;
+    if save_kind != Kind::Float {
+        record_dtype(&out.join("config.json"), save_kind)?;
+    }
     let (first, second) = optimizer.moments();
     let mut state: Vec<(String, Tensor)> = Vec::new();
-    for (((name, _), m), v) in named.iter().zip(first).zip(second) {
+    for (((name, weight), m), v) in named.iter().zip(first).zip(second) {
         state.push((format!("adam.m.{name}"), m.shallow_clone()));
         state.push((format!("adam.v.{name}"), v.shallow_clone()));
+        if save_kind != Kind::Float {
+            state.push((format!("{MASTER}{name}"), weight.detach().contiguous()));
+        }
     }
     state.push(("step".into(), glance_models::host_tensor(&[step as i64])));
     Ok(save::write_safetensors(&out.join("train_state.safetensors"), &state)?)
@@ -789,5 +803,32 @@ pub(crate) fn restore_state(
     let second = named.iter().map(|(n, _)| get(&format!("adam.v.{n}"))).collect::<Result<Vec<_>, _>>()?;
     let step = glance_models::read_i64(&get("step")?);
     optimizer.restore(step, first, second);
+    // A head saved in another dtype than f32 left its f32 weights here: continue from those.
+    let _no_grad = tch::no_grad_guard();
+    for (name, weight) in named {
+        if let Some(master) = state.get(&format!("{MASTER}{name}")) {
+            let mut weight = weight.shallow_clone();
+            weight.copy_(master);
+        }
+    }
     Ok(step as usize)
+}
+
+/// Prefix of the f32 weights in the training state of a head saved in another dtype.
+const MASTER: &str = "master.";
+
+/// Sets the `dtype` a head's config.json declares (HF's field: what its weights are stored in).
+fn record_dtype(config: &Path, kind: Kind) -> Result<(), TrainError> {
+    let text = std::fs::read_to_string(config)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", config.display())))?;
+    let mut json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| TrainError::Data(format!("{}: {e}", config.display())))?;
+    let name = match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    };
+    json["dtype"] = serde_json::Value::from(name);
+    let text = serde_json::to_string_pretty(&json).map_err(|e| TrainError::Data(e.to_string()))?;
+    std::fs::write(config, text + "\n").map_err(|e| TrainError::Data(format!("{}: {e}", config.display())))
 }

@@ -117,7 +117,7 @@ pub fn train_eagle3(config: &Eagle3TrainConfig, mut log: impl FnMut(&str)) -> Re
             progress.evaluated(step, acceptance, &mut log);
         }
         if due(base.checkpoint_every, step, base.steps) {
-            save(&base.out, &head_dir, &named, &buffers, &optimizer, step + 1)?;
+            save(&base.out, &head_dir, &named, &buffers, &optimizer, step + 1, base.save_kind)?;
         }
     }
     if base.eval_every == 0 {

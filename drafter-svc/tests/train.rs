@@ -3,6 +3,7 @@
 
 #![allow(clippy::disallowed_methods)] // tests build and read host tensors freely
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use drafter_svc::draft_vocab::DraftVocabChoice;
@@ -13,7 +14,7 @@ use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::weights::Checkpoint;
 use glance_models::TargetModel;
 use glance_train::AdamW;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 fn target_dir() -> Option<PathBuf> {
     let root = std::env::var_os("GLANCE_FIXTURES")
@@ -123,6 +124,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
         device: Device::Cpu,
         regen_batch: 4,
         loss_vocab: LossVocab::Full,
+        save_kind: Kind::Float,
     };
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
@@ -269,6 +271,7 @@ fn sharegpt_rows_are_regenerated_once_and_cached() {
         device: Device::Cpu,
         regen_batch: 4,
         loss_vocab: LossVocab::Sampled { frequent: 16, negatives: 8 },
+        save_kind: Kind::Float,
     };
     let first = train(&config, |_| {}).unwrap();
     let cache = config.out.join("regenerated.jsonl");
@@ -288,5 +291,33 @@ fn sharegpt_rows_are_regenerated_once_and_cached() {
     train(&config, |_| {}).unwrap();
     assert_eq!(std::fs::metadata(&states).unwrap().modified().unwrap(), modified, "states were recomputed");
     assert_eq!(first.anchors, second.anchors, "the same held-out rows");
+
+    // Saved in bf16: half the bytes, the config says so, and a resumed run continues from the f32
+    // weights the training state keeps (to the bit the f32 run's, not their bf16 rounding).
+    let f32_head = config.out.clone();
+    config.out = out.join("head-bf16");
+    (config.save_kind, config.resume, config.steps) = (Kind::BFloat16, false, 4);
+    train(&config, |_| {}).unwrap();
+    let saved = Tensor::read_safetensors(config.out.join("model.safetensors")).unwrap();
+    assert!(saved.iter().all(|(_, t)| !t.is_floating_point() || t.kind() == Kind::BFloat16));
+    let declared: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(config.out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(declared["dtype"], "bfloat16");
+    // The f32 run's resumes (8 steps, then 10), the same batches.
+    for steps in [8, 10] {
+        (config.resume, config.steps) = (true, steps);
+        train(&config, |_| {}).unwrap();
+    }
+    let masters: HashMap<String, Tensor> =
+        Tensor::read_safetensors(config.out.join("train_state.safetensors")).unwrap().into_iter().collect();
+    let mut compared = 0;
+    for (name, weight) in Tensor::read_safetensors(f32_head.join("model.safetensors")).unwrap() {
+        if let Some(master) = masters.get(&format!("master.{name}")) {
+            let gap = (master - &weight).abs().max().double_value(&[]);
+            assert!(gap < 1e-6, "{name}: the resumed bf16 run is {gap} off the f32 run's weights");
+            compared += 1;
+        }
+    }
+    assert!(compared > 0, "no f32 weights kept in the training state");
     std::fs::remove_dir_all(out).ok();
 }
