@@ -500,6 +500,7 @@ fn record_summary(summary: &Summary) {
         metrics::counter!(names::AUTO_VERIFIED_NODES).increment(policy.verified_nodes as u64);
         metrics::counter!(names::AUTO_LOOKUP_ROUNDS).increment(policy.lookup_rounds as u64);
         metrics::counter!(names::AUTO_LOOKUP_ACCEPTED).increment(policy.lookup_accepted as u64);
+        metrics::counter!(names::AUTO_GRAFTED_ACCEPTED).increment(policy.grafted_accepted as u64);
         if policy.verified_rounds > 0 {
             metrics::gauge!(names::AUTO_CALIBRATION_ERROR).set(policy.calibration_error());
         }

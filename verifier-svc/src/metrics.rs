@@ -44,6 +44,9 @@ pub const AUTO_VERIFIED_NODES: &str = "glance_auto_verified_nodes_total";
 pub const AUTO_LOOKUP_ROUNDS: &str = "glance_auto_lookup_rounds_total";
 /// Auto mode: prompt-lookup tokens accepted (counted among the accepted tokens too).
 pub const AUTO_LOOKUP_ACCEPTED: &str = "glance_auto_lookup_accepted_tokens_total";
+/// Auto mode: prompt-lookup tokens accepted past the drafter's path in drafted rounds that had a
+/// prompt-lookup tree grafted onto theirs (counted among the accepted tokens too).
+pub const AUTO_GRAFTED_ACCEPTED: &str = "glance_auto_grafted_lookup_accepted_tokens_total";
 /// Auto mode: requests that started from what the last request of the same instruction (prompt
 /// text, images aside) learnt, rather than from the latest request's policy with a probe.
 pub const AUTO_KNOWN_INSTRUCTIONS: &str = "glance_auto_known_instruction_requests_total";
@@ -100,6 +103,7 @@ pub fn register() {
         AUTO_VERIFIED_NODES,
         AUTO_LOOKUP_ROUNDS,
         AUTO_LOOKUP_ACCEPTED,
+        AUTO_GRAFTED_ACCEPTED,
         AUTO_KNOWN_INSTRUCTIONS,
         DRAFTER_BYTES,
         DRAFTER_MISMATCHES,
@@ -148,6 +152,10 @@ fn describe() {
         "Auto mode: rounds that verified a prompt-lookup chain in place of a greedy step."
     );
     describe_counter!(AUTO_LOOKUP_ACCEPTED, "Auto mode: prompt-lookup tokens accepted.");
+    describe_counter!(
+        AUTO_GRAFTED_ACCEPTED,
+        "Auto mode: prompt-lookup tokens accepted past the drafter's path in drafted rounds with a lookup grafted on."
+    );
     describe_counter!(
         AUTO_KNOWN_INSTRUCTIONS,
         "Auto mode: requests that started from the policy of an earlier request of the same instruction."

@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 
 use glance_spec::law::{self, Form, Round};
 use glance_spec::tree::Tree;
+use glance_spec::TokenId;
 
 /// The weight a request's acceptance evidence keeps in the next request (the calibration's and
 /// the law's scale): enough to start where the last one ended, little enough that a request of
@@ -326,6 +327,11 @@ pub struct PolicyStats {
     pub lookup_rounds: usize,
     pub lookup_nodes: usize,
     pub lookup_accepted: usize,
+    /// Drafted rounds that verified prompt-lookup nodes grafted onto the tree, those nodes (the
+    /// ones the drafter had not proposed), and the tokens accepted past the drafter's own path.
+    pub grafted_rounds: usize,
+    pub grafted_nodes: usize,
+    pub grafted_accepted: usize,
     /// At the request's end: what the policy took a greedy step alone and one taken while the
     /// drafter works to cost, seconds (0 where not measured).
     pub step_secs: f64,
@@ -381,11 +387,31 @@ impl LookupProbe {
     }
 }
 
+/// A round's tree grafted from the drafter's and a prompt lookup's
+/// ([`RoundPolicy::choose_grafted`]): the verified nodes each source proposed, as trees of their
+/// own (a node both proposed is in both).
+#[derive(Clone, Debug)]
+pub struct Grafted {
+    pub drafted: Tree,
+    pub looked_up: Tree,
+    /// The length of the suffix n-gram the lookup matched.
+    pub ngram: usize,
+}
+
 /// What a verified round's cycle holds beyond the round itself: tokens, and seconds.
 #[derive(Clone, Copy, Debug, Default)]
 struct Cycle {
     tokens: f64,
     secs: f64,
+}
+
+/// What a verified round is judged in beside its nodes: the target's entropy at its root, the
+/// deepest a tree may go, and how long the verifier sat idle waiting for the tree, seconds.
+#[derive(Clone, Copy, Debug)]
+struct RoundSetting {
+    root_entropy: Option<f64>,
+    horizon: usize,
+    idle: f64,
 }
 
 /// What the last verified round expected, to be compared with what it committed.
@@ -658,17 +684,60 @@ impl RoundPolicy {
     /// beats greedy decoding, drafting will stop, and this draft is paid already: then the verify
     /// pass is weighed alone, argmax over n of E(n) / t_verify(1 + n).
     pub fn choose_nodes(&mut self, tree: &Tree) -> Vec<usize> {
+        let acceptance = self.calibration.acceptance(tree);
+        self.choose_by_acceptance(&acceptance)
+    }
+
+    /// [`RoundPolicy::choose_nodes`] for the drafted tree with the prompt-lookup tree found at the
+    /// same root (matched n-gram length `ngram`) grafted on ([`Tree::graft`]): one verify pass
+    /// checks both, so a round gains the lookup's long runs where the text repeats itself and the
+    /// head's guesses elsewhere, for the rows it adds. Each source's nodes are calibrated on their
+    /// own; a node both propose counts with the likelier claim. Returns the nodes to verify and
+    /// each source's share of them, which its calibration learns from
+    /// ([`RoundPolicy::observe_grafted`]).
+    pub fn choose_grafted(&mut self, drafted: &Tree, ngram: usize, looked_up: &Tree) -> (Tree, Grafted) {
+        let (union, index) = drafted.graft(looked_up);
+        let mut acceptance = self.calibration.acceptance(drafted);
+        acceptance.resize(union.len(), 0.0);
+        let claims = self.lookup.get(ngram).cloned().unwrap_or_default().acceptance(looked_up);
+        for (&i, claim) in index.iter().zip(claims) {
+            acceptance[i] = acceptance[i].max(claim);
+        }
+        // A path is never more likely than its parent's, whichever source claimed which.
+        for i in 0..union.len() {
+            if let Ok(parent) = usize::try_from(union.parents[i]) {
+                acceptance[i] = acceptance[i].min(acceptance[parent]);
+            }
+        }
+        let chosen = self.choose_by_acceptance(&acceptance);
+        let is_chosen = |i: usize| chosen.binary_search(&i).is_ok();
+        let drafted_kept: Vec<usize> = (0..drafted.len()).filter(|&i| is_chosen(i)).collect();
+        if drafted_kept.is_empty() && !chosen.is_empty() {
+            // The lookup alone pays: for the drafter this is a declined tree.
+            self.decline_tree();
+        }
+        let looked_up_kept: Vec<usize> = (0..looked_up.len()).filter(|&j| is_chosen(index[j])).collect();
+        let grafted = Grafted {
+            drafted: drafted.select(&drafted_kept),
+            looked_up: looked_up.select(&looked_up_kept),
+            ngram,
+        };
+        (union.select(&chosen), grafted)
+    }
+
+    /// The nodes to verify of a tree whose nodes have the calibrated `acceptance` (each no more
+    /// than its parent's, parents first), ascending: see [`RoundPolicy::choose_nodes`].
+    fn choose_by_acceptance(&mut self, acceptance: &[f64]) -> Vec<usize> {
         // Probes after a back-off choose like any round: depths never verified keep the optimistic
         // prior, so they are tried as soon as they could pay.
         self.explore = false;
-        let acceptance = self.calibration.acceptance(tree);
         if self.warm_up_rounds < Self::WARM_UP_ROUNDS {
             self.warm_up_rounds += 1;
             let expected = 1.0 + acceptance.iter().sum::<f64>();
             self.pending = Some(Pending { expected });
-            return (0..tree.len()).collect();
+            return (0..acceptance.len()).collect();
         }
-        let order = by_acceptance(&acceptance);
+        let order = by_acceptance(acceptance);
         let sorted: Vec<f64> = order.iter().map(|&i| acceptance[i]).collect();
         let mut choice = self.best_prefix(&sorted, self.next_draft().unwrap_or_default());
         if choice.0 == 0 {
@@ -677,16 +746,14 @@ impl RoundPolicy {
         let (best, best_expected) = choice;
         tracing::debug!(
             nodes = best,
-            of = tree.len(),
+            of = acceptance.len(),
             expected = best_expected,
             step_ms = self.verify.estimate(1).unwrap_or(0.0) * 1e3,
             verify_ms = self.verify.estimate(best + 1).unwrap_or(0.0) * 1e3,
             "auto: nodes to verify"
         );
         if best == 0 {
-            self.stats.declined_trees += 1;
-            self.steps_in_flight = 0;
-            self.back_off();
+            self.decline_tree();
             self.pending = None;
         } else {
             self.pending = Some(Pending { expected: best_expected });
@@ -694,6 +761,13 @@ impl RoundPolicy {
         let mut chosen = order[..best].to_vec();
         chosen.sort_unstable();
         chosen
+    }
+
+    /// A drafted tree none of whose nodes pays: the draft was not worth asking for.
+    fn decline_tree(&mut self) {
+        self.stats.declined_trees += 1;
+        self.steps_in_flight = 0;
+        self.back_off();
     }
 
     /// What the next draft adds to a verified round's cycle, as the policy expects it.
@@ -761,13 +835,17 @@ impl RoundPolicy {
 
     /// A verified prompt-lookup round: the tree's `verified` first nodes, and the accepted path.
     pub fn observe_lookup_round(&mut self, ngram: usize, tree: &Tree, verified: usize, path: &[usize]) {
-        if self.lookup.len() <= ngram {
-            self.lookup.resize(ngram + 1, Calibration::default());
-        }
-        self.lookup[ngram].observe(tree, verified, path);
+        self.lookup_calibration(ngram).observe(tree, verified, path);
         self.stats.lookup_rounds += 1;
         self.stats.lookup_nodes += verified;
         self.stats.lookup_accepted += path.len();
+    }
+
+    fn lookup_calibration(&mut self, ngram: usize) -> &mut Calibration {
+        if self.lookup.len() <= ngram {
+            self.lookup.resize(ngram + 1, Calibration::default());
+        }
+        &mut self.lookup[ngram]
     }
 
     /// A drafted round's drafter-side time (compute + hop, from sending to the tree's arrival),
@@ -793,11 +871,57 @@ impl RoundPolicy {
         horizon: usize,
         idle: f64,
     ) {
+        self.settle_expectation(path.len() + 1);
+        self.learn_from_drafted(tree, verified, path, RoundSetting { root_entropy, horizon, idle });
+    }
+
+    /// A verified round of a grafted tree ([`RoundPolicy::choose_grafted`]) that accepted the
+    /// tokens `accepted`. The drafter is judged on its own nodes (the lookup would have been
+    /// verified without it, in place of a greedy step), the lookup's calibration on its own.
+    pub fn observe_grafted(
+        &mut self,
+        grafted: &Grafted,
+        accepted: &[TokenId],
+        root_entropy: Option<f64>,
+        horizon: usize,
+        idle: f64,
+    ) {
+        self.settle_expectation(accepted.len() + 1);
+        let drafted_path = grafted.drafted.nodes_along(accepted);
+        let looked_up_path = grafted.looked_up.nodes_along(accepted);
+        self.lookup_calibration(grafted.ngram).observe(
+            &grafted.looked_up,
+            grafted.looked_up.len(),
+            &looked_up_path,
+        );
+        let added = grafted.drafted.graft(&grafted.looked_up).0.len() - grafted.drafted.len();
+        if added > 0 {
+            self.stats.grafted_rounds += 1;
+            self.stats.grafted_nodes += added;
+            self.stats.grafted_accepted += accepted.len() - drafted_path.len();
+        }
+        // A tree none of whose nodes was verified was declined ([`RoundPolicy::choose_grafted`]):
+        // it says nothing of what the drafter would have committed.
+        let drafted = &grafted.drafted;
+        if !drafted.is_empty() {
+            let setting = RoundSetting { root_entropy, horizon, idle };
+            self.learn_from_drafted(drafted, drafted.len(), &drafted_path, setting);
+        }
+    }
+
+    /// Compares what the last chosen round was expected to commit with what it did.
+    fn settle_expectation(&mut self, committed: usize) {
+        if let Some(pending) = self.pending.take() {
+            self.stats.abs_error += (pending.expected - committed as f64).abs();
+        }
+    }
+
+    /// What a verified round says of the drafter: `verified` nodes of its `tree` checked, the
+    /// accepted `path` among them.
+    fn learn_from_drafted(&mut self, tree: &Tree, verified: usize, path: &[usize], setting: RoundSetting) {
+        let RoundSetting { root_entropy, horizon, idle } = setting;
         self.calibration.observe(tree, verified, path);
         let committed = (path.len() + 1) as f64;
-        if let Some(pending) = self.pending.take() {
-            self.stats.abs_error += (pending.expected - committed).abs();
-        }
         self.stats.verified_rounds += 1;
         self.stats.verified_nodes += verified;
         self.recent_commit.observe(committed);
@@ -1167,6 +1291,60 @@ mod tests {
         assert!(choices.iter().all(|&n| n <= 1), "{choices:?}");
         assert_eq!(probes[..8], [0, 2, 5, 10, 19, 36, 69, 134], "{probes:?}");
         assert_eq!(probes.len(), 9, "{probes:?}");
+    }
+
+    #[test]
+    fn a_lookup_grafted_onto_a_weak_tree_adds_its_run_and_each_source_learns_its_own() {
+        // A 16-row pass costs 1.5 steps (a memory-bound target).
+        let mut policy = RoundPolicy::with_costs(costs(0.001, 0.000_033));
+        policy.observe_draft(1, 0.002);
+        policy.warm_up_rounds = RoundPolicy::WARM_UP_ROUNDS;
+        // The drafter's chain (tokens 0, 1, 2, 3) claims 0.6 a token and is accepted one round
+        // in three; trigram lookups (tokens 7 … 12) always hold for four tokens.
+        let drafted = chain(4, 0.6);
+        let looked_up = glance_spec::prompt_lookup::lookup_tree(&[&[7, 8, 9, 10, 11, 12]]);
+        for round in 0..30 {
+            let path: &[usize] = if round % 3 == 0 { &[0] } else { &[] };
+            policy.observe_round(&drafted, drafted.len(), path, None, 16, 0.0);
+            policy.observe_lookup_round(3, &looked_up, looked_up.len(), &[0, 1, 2, 3]);
+        }
+        let (stats_before, drafter_depth_1) = (policy.stats, policy.calibration.factor(1));
+        let (tree, grafted) = policy.choose_grafted(&drafted, 3, &looked_up);
+        let limits = glance_spec::tree::TreeLimits { vocab: 16, max_nodes: 16, max_depth: 8 };
+        assert_eq!(tree.validate(limits), Ok(()));
+        // The lookup's run as far as it pays, and the drafter's likelier first node beside it.
+        assert_eq!(grafted.looked_up.tokens[..4], [7, 8, 9, 10], "{tree:?}");
+        assert_eq!(grafted.drafted.tokens, [0], "{tree:?}");
+        assert_eq!(tree.len(), grafted.drafted.len() + grafted.looked_up.len());
+        assert_eq!(grafted.ngram, 3);
+        // The lookup's run held: the drafter is judged on its own node (missed), the lookup on its.
+        policy.observe_grafted(&grafted, &[7, 8, 9, 10], None, 16, 0.0);
+        assert_eq!(policy.stats.grafted_rounds, 1);
+        assert_eq!(policy.stats.grafted_nodes, grafted.looked_up.len());
+        assert_eq!(policy.stats.grafted_accepted, 4);
+        assert_eq!(policy.stats.verified_rounds, stats_before.verified_rounds + 1);
+        assert_eq!(
+            policy.stats.lookup_rounds, stats_before.lookup_rounds,
+            "a grafted round is not a lookup round"
+        );
+        assert!(policy.calibration.factor(1) < drafter_depth_1);
+        // A lookup that proposes the drafter's own tokens adds no node and no grafted round.
+        let (same, grafted) = policy.choose_grafted(&drafted, 3, &Tree::chain(&[0, 1]));
+        assert!(same.len() <= drafted.len() && grafted.drafted.len() == same.len(), "{same:?}");
+        policy.observe_grafted(&grafted, &[0], None, 16, 0.0);
+        assert_eq!(policy.stats.grafted_rounds, 1);
+        // A drafter that stopped being accepted: the lookup alone is verified, which for the
+        // drafter is a declined tree, not a round it missed.
+        for _ in 0..60 {
+            policy.observe_round(&drafted, drafted.len(), &[], None, 16, 0.0);
+        }
+        let stats_before = policy.stats;
+        let (tree, grafted) = policy.choose_grafted(&drafted, 3, &looked_up);
+        assert!(grafted.drafted.is_empty() && tree.tokens[..4] == [7, 8, 9, 10], "{tree:?}");
+        assert_eq!(policy.stats.declined_trees, stats_before.declined_trees + 1);
+        policy.observe_grafted(&grafted, &[7, 8, 9, 10], None, 16, 0.0);
+        assert_eq!(policy.stats.verified_rounds, stats_before.verified_rounds);
+        assert_eq!(policy.stats.grafted_accepted, stats_before.grafted_accepted + 4);
     }
 
     #[test]

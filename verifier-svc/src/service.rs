@@ -573,6 +573,9 @@ fn speculative_stats(summary: &Summary) -> Option<pb::SpeculativeStats> {
             lookup_accepted_tokens: p.lookup_accepted as u32,
             step_ms: p.step_secs * 1e3,
             overlapped_step_ms: p.overlapped_step_secs * 1e3,
+            grafted_rounds: p.grafted_rounds as u32,
+            grafted_nodes: p.grafted_nodes as u32,
+            grafted_accepted_tokens: p.grafted_accepted as u32,
         }),
     })
 }

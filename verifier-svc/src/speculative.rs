@@ -23,7 +23,7 @@ use glance_spec::tree::{TokenId, Tree, TreeLimits};
 use glance_telemetry::ROUND_SPANS;
 use tch::{Kind, Tensor};
 
-use crate::policy::{PolicyStats, RoundPolicy, VerifyCost};
+use crate::policy::{Grafted, PolicyStats, RoundPolicy, VerifyCost};
 
 /// A drafter's answer to one round: the tree as sent (not yet trusted), the drafter-side time, and
 /// the round trip from sending the round to the tree's arrival.
@@ -284,9 +284,13 @@ pub fn speculative_generate(
     // Auto asks for the spine to the block's last offset beside the budget's nodes.
     let max_nodes = spec.budget + if policy.is_some() { max_depth } else { 0 };
     let limits = TreeLimits { vocab, max_nodes, max_depth };
-    // The verify pass appends root + tree before compaction: room for the largest tree.
-    let mut cache = model.new_cache(limit + max_nodes + 1);
-    let mut mask = TreeMask::new(max_nodes + 1, cache.capacity(), model.kind(), model.device());
+    let mut lookup = Lookup::new(spec.budget.min(max_depth));
+    // The verify pass appends root + tree before compaction: room for the largest tree, which
+    // for auto is the drafter's with a prompt-lookup tree grafted on.
+    let grafted_rows = if policy.is_some() { lookup.lookup.max_nodes } else { 0 };
+    let max_rows = 1 + max_nodes + grafted_rows;
+    let mut cache = model.new_cache(limit + max_rows);
+    let mut mask = TreeMask::new(max_rows, cache.capacity(), model.kind(), model.device());
     let width = taps.len() as i64 * model.text_config().hidden_size;
     // A round may accept a whole path past the limit (the committer stops at the limit): room for
     // the deepest one.
@@ -294,7 +298,6 @@ pub fn speculative_generate(
     // Opened before the prefill: a remote drafter's stream opens while the target prefills.
     let mut drafting =
         Drafting { session: provider.open(), in_flight: None, retry: Retry::default(), decided: None };
-    let mut lookup = Lookup::new(spec.budget.min(max_depth));
     let prefill_span = tracing::info_span!("prefill", prompt_tokens = prompt_len).entered();
     let (logits, prompt_states) = prefill_with_taps(model, inputs, &mut cache, &taps)?;
     drop(prefill_span);
@@ -356,31 +359,33 @@ pub fn speculative_generate(
                         let path = committed_since(&history, flight.root_position, root);
                         let stepped =
                             Stepped { path: &path, root_entropy: flight.root_entropy, horizon: max_depth };
-                        round = to_verify(drafted.tree, stepped, policy.as_deref_mut());
+                        let looked_up = policy.is_some().then(|| lookup.find(&history, root)).flatten();
+                        round = to_verify(drafted.tree, stepped, policy.as_deref_mut(), looked_up);
                     }
                 }
                 Err(e) => drafting.fail(&mut stats, e),
             }
         }
-        // A step auto takes without asking the drafter may verify a prompt-lookup tree instead.
-        // Not while a tree is being drafted: the policy asked for it as the better bet, and
+        // A step auto takes without asking the drafter, or after a tree the steps left, may
+        // verify a prompt-lookup tree instead (a tree that arrived in time had the lookup grafted
+        // on). Not while a tree is being drafted: the policy asked for it as the better bet, and
         // tokens committed past its root by lookups shorten what it can still add.
-        let mut lookup_ngram = None;
-        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
+        let instead_of_step = matches!(greedy, Greedy::NotAsked | Greedy::TreeUnused);
+        if let (None, Some(p), true) = (&round, policy.as_deref_mut(), instead_of_step) {
             if let Some((ngram, chain)) = lookup.propose(&history, root, p) {
-                (lookup_ngram, round) = (Some(ngram), Some(chain));
+                round = Some((chain, Source::Lookup(ngram)));
             }
         }
         let verify_started = Instant::now();
-        let verify_span = tracing::info_span!(target: ROUND_SPANS, "verify", nodes = round.as_ref().map_or(0, |t| t.tokens.len()));
+        let verify_span = tracing::info_span!(target: ROUND_SPANS, "verify", nodes = round.as_ref().map_or(0, |(t, _)| t.len()));
         let entered = verify_span.enter();
         let drafted = round.is_some();
-        let rows = 1 + round.as_ref().map_or(0, Tree::len);
+        let rows = 1 + round.as_ref().map_or(0, |(t, _)| t.len());
         let round_entropy = policy.is_some();
         // The root row draws the next generated token.
         let draw = Draw { sampling: spec.sampling, index: committer.tokens.len() as u64 };
         let (committed, logprobs, tap_rows, next_entropy) = match round {
-            Some(tree) => {
+            Some((tree, source)) => {
                 stats.draft_tokens += tree.tokens.len();
                 let reads = RoundReads {
                     root_entropy: spec.log_rounds,
@@ -400,24 +405,19 @@ pub fn speculative_generate(
                 )?;
                 // committed = [root, accepted…, bonus]: this round committed all but the root.
                 let accepted = verified.path.len();
-                if let Some(ngram) = lookup_ngram {
-                    if let Some(p) = policy.as_deref_mut() {
-                        p.observe_lookup_round(ngram, &tree, tree.len(), &verified.path);
-                    }
-                } else {
-                    // The entropy law is the drafter's: lookup rounds stay out of its log.
-                    if let Some(root_entropy) = verified.root_entropy {
-                        stats.round_logs.push(RoundLog {
-                            root_entropy,
-                            accepted,
-                            tree_size: tree.tokens.len(),
-                        });
-                    }
-                    if let Some(p) = policy.as_deref_mut() {
-                        let idle = idle.as_secs_f64();
-                        p.observe_round(&tree, tree.len(), &verified.path, root_entropy, max_depth, idle);
-                    }
-                }
+                learn_from_round(
+                    &tree,
+                    source,
+                    &verified.path,
+                    policy.as_deref_mut(),
+                    RoundFacts {
+                        root_entropy,
+                        logged_entropy: verified.root_entropy,
+                        horizon: max_depth,
+                        idle: idle.as_secs_f64(),
+                        logs: &mut stats.round_logs,
+                    },
+                );
                 stats.rounds += 1;
                 stats.committed_in_rounds += accepted + 1;
                 for count in &mut stats.accepted_per_depth[..accepted] {
@@ -747,13 +747,18 @@ impl Lookup {
     /// The n-gram length that matched and the lookup tree's best-first prefix to verify in place
     /// of a step, if any pays.
     fn propose(&mut self, history: &History, root: i64, policy: &mut RoundPolicy) -> Option<(usize, Tree)> {
+        let (ngram, mut tree) = self.find(history, root)?;
+        tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
+        (!tree.is_empty()).then_some((ngram, tree))
+    }
+
+    /// The n-gram length that matched and the whole lookup tree after the pending `root`.
+    fn find(&mut self, history: &History, root: i64) -> Option<(usize, Tree)> {
         let synced = self.indexed.len();
         for &token in &history.tokens[synced..history.len] {
             self.indexed.push(token as TokenId);
         }
-        let (ngram, mut tree) = self.lookup.find_after(&mut self.indexed, root as TokenId)?;
-        tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
-        (!tree.is_empty()).then_some((ngram, tree))
+        self.lookup.find_after(&mut self.indexed, root as TokenId)
     }
 }
 
@@ -765,23 +770,83 @@ struct Stepped<'a> {
     horizon: usize,
 }
 
+/// What a round's verification is learnt with beside its tree and accepted path.
+struct RoundFacts<'a> {
+    /// The target's entropy at the round's root, as the policy predicted from it.
+    root_entropy: Option<f64>,
+    /// The same read by the verify pass, for the round log (when the request asked for one).
+    logged_entropy: Option<f32>,
+    horizon: usize,
+    /// Seconds the verifier sat idle waiting for the tree.
+    idle: f64,
+    logs: &'a mut Vec<RoundLog>,
+}
+
+/// Tells the policy (auto) what a verified round accepted of each source, and logs the drafter's
+/// rounds for the entropy law: lookup rounds stay out of the log, and a grafted round's entry
+/// counts only what the drafter's own nodes accepted, so the law stays the drafter's.
+fn learn_from_round(
+    tree: &Tree,
+    source: Source,
+    path: &[usize],
+    policy: Option<&mut RoundPolicy>,
+    facts: RoundFacts,
+) {
+    let accepted: Vec<TokenId> = path.iter().map(|&i| tree.tokens[i]).collect();
+    let drafter_accepted = match &source {
+        Source::Lookup(_) => None,
+        Source::Drafter => Some(path.len()),
+        Source::Grafted(grafted) => Some(grafted.drafted.followed(&accepted)),
+    };
+    if let (Some(root_entropy), Some(accepted)) = (facts.logged_entropy, drafter_accepted) {
+        facts.logs.push(RoundLog { root_entropy, accepted, tree_size: tree.len() });
+    }
+    let Some(p) = policy else { return };
+    let (entropy, horizon, idle) = (facts.root_entropy, facts.horizon, facts.idle);
+    match source {
+        Source::Lookup(ngram) => p.observe_lookup_round(ngram, tree, tree.len(), path),
+        Source::Drafter => p.observe_round(tree, tree.len(), path, entropy, horizon, idle),
+        Source::Grafted(grafted) => p.observe_grafted(&grafted, &accepted, entropy, horizon, idle),
+    }
+}
+
+/// Where a verified round's tree came from: what its verification teaches the policy.
+enum Source {
+    /// The drafter's tree (or the part of it the policy chose).
+    Drafter,
+    /// A prompt-lookup tree in place of a greedy step; the length of the n-gram it matched.
+    Lookup(usize),
+    /// The drafter's tree with a prompt-lookup tree grafted on.
+    Grafted(Grafted),
+}
+
 /// What of a (valid) tree drafted at an earlier root to verify now that `stepped.path` has been
 /// committed past that root: the subtree below the path, cut by the auto policy to the nodes
-/// that pay. `None`: nothing (the steps left the tree or passed its depth, or the policy
+/// that pay, with the prompt-lookup tree `looked_up` found at the current root (auto only)
+/// grafted on. `None`: nothing (the steps left the tree or passed its depth, or the policy
 /// declined). A tree the steps left still tells the policy how much of it held.
-fn to_verify(tree: Tree, stepped: Stepped, policy: Option<&mut RoundPolicy>) -> Option<Tree> {
+fn to_verify(
+    tree: Tree,
+    stepped: Stepped,
+    policy: Option<&mut RoundPolicy>,
+    looked_up: Option<(usize, Tree)>,
+) -> Option<(Tree, Source)> {
     let followed = tree.followed(stepped.path);
-    match (tree.descend(stepped.path).filter(|t| !t.is_empty()), policy) {
+    let (tree, source) = match (tree.descend(stepped.path).filter(|t| !t.is_empty()), policy) {
         (None, Some(p)) => {
             p.observe_stale_tree(followed, stepped.root_entropy, stepped.horizon);
-            None
+            return None;
         }
-        (tree, None) => tree,
-        (Some(tree), Some(p)) => {
-            let tree = tree.select(&p.choose_nodes(&tree));
-            (!tree.is_empty()).then_some(tree)
-        }
-    }
+        (tree, None) => (tree?, Source::Drafter),
+        (Some(tree), Some(p)) => match looked_up {
+            Some((ngram, looked_up)) => {
+                let (union, grafted) = p.choose_grafted(&tree, ngram, &looked_up);
+                (union, Source::Grafted(grafted))
+            }
+            None => (tree.select(&p.choose_nodes(&tree)), Source::Drafter),
+        },
+    };
+    (!tree.is_empty()).then_some((tree, source))
 }
 
 /// The tokens committed after the position `from` up to the pending `root`: the path from a

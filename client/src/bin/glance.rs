@@ -319,6 +319,10 @@ fn print_summary(response: &pb::GenerateResponse, started: Instant) {
                 auto.lookup_rounds, auto.lookup_accepted_tokens, auto.lookup_verified_nodes
             );
             println!(
+                "-- auto: {} drafted rounds with prompt-lookup nodes grafted on, {} tokens accepted past the drafter's path from their {} nodes",
+                auto.grafted_rounds, auto.grafted_accepted_tokens, auto.grafted_nodes
+            );
+            println!(
                 "-- auto: a greedy step costs {:.3} ms alone, {:.3} ms while the drafter works",
                 auto.step_ms, auto.overlapped_step_ms
             );

@@ -210,14 +210,46 @@ impl Tree {
     /// How many tokens of `path` (a token per depth, from the root) the tree holds as a path:
     /// what verifying it would have accepted had `path` been the target's choice.
     pub fn followed(&self, path: &[TokenId]) -> usize {
+        self.nodes_along(path).len()
+    }
+
+    /// The nodes that spell `path` (a token per depth, from the root), as far as the tree holds it.
+    pub fn nodes_along(&self, path: &[TokenId]) -> Vec<usize> {
+        let mut nodes = Vec::new();
         let mut node: i32 = -1;
-        for (depth, &token) in path.iter().enumerate() {
+        for &token in path {
             match self.child(node, token) {
-                Some(child) => node = child as i32,
-                None => return depth,
+                Some(child) => {
+                    nodes.push(child);
+                    node = child as i32;
+                }
+                None => break,
             }
         }
-        path.len()
+        nodes
+    }
+
+    /// This tree with `other`, drafted at the same root, grafted on: every path of either, this
+    /// tree's nodes first with their indices unchanged, then the nodes of `other` it lacks in
+    /// `other`'s order (so parents still precede children). Returns the union and, for each node
+    /// of `other`, its index there. A node both hold keeps this tree's log-probability, and one
+    /// only `other` holds its own, capped at its new parent's (the union stays a valid tree).
+    pub fn graft(&self, other: &Tree) -> (Tree, Vec<usize>) {
+        let mut union = self.clone();
+        let mut index: Vec<usize> = Vec::with_capacity(other.len());
+        for i in 0..other.len() {
+            let parent = usize::try_from(other.parents[i]).map_or(-1, |p| index[p] as i32);
+            let node = match union.child(parent, other.tokens[i]) {
+                Some(node) => node,
+                None => {
+                    // Never above the parent's, which may be this tree's own (lower) score.
+                    let ceiling = usize::try_from(parent).map_or(0.0, |p| union.log_probs[p]);
+                    union.push(other.tokens[i], parent, other.log_probs[i].min(ceiling)) as usize
+                }
+            };
+            index.push(node);
+        }
+        (union, index)
     }
 
     /// The child of `parent` (−1: the root) carrying `token`, if the tree has one.
@@ -433,6 +465,32 @@ mod tests {
         assert_eq!([tree.followed(&[2, 3]), tree.followed(&[7]), tree.followed(&[1, 3, 5, 9])], [1, 0, 3]);
         assert_eq!([tree.followed(&[1, 4]), tree.followed(&[])], [2, 0]);
         assert_eq!(tree.descend(&[7]), None);
+    }
+
+    #[test]
+    fn grafting_unites_the_paths_of_two_trees_at_one_root() {
+        // Drafted: root ─ a(1) ─ c(3)      Lookup: root ─ a(1) ─ c(3) ─ e(5)
+        //               └ b(2)                          └ g(7)
+        let mut drafted = Tree::default();
+        let a = drafted.push(1, -1, -0.1);
+        drafted.push(2, -1, -1.0);
+        drafted.push(3, a, -0.3);
+        let mut lookup = Tree::default();
+        let la = lookup.push(1, -1, -0.7);
+        let lc = lookup.push(3, la, -1.4);
+        lookup.push(7, -1, -0.7);
+        lookup.push(5, lc, -2.1);
+        let (union, index) = drafted.graft(&lookup);
+        // The drafted nodes keep their places and scores; the lookup's new ones follow, parents first.
+        assert_eq!(shape(&union), vec![(1, 1, -1), (2, 1, -1), (3, 2, 0), (7, 1, -1), (5, 3, 2)]);
+        assert_eq!(&union.log_probs[..3], &drafted.log_probs[..]);
+        assert_eq!(index, vec![0, 2, 3, 4]);
+        assert!(union.validate(TreeLimits { vocab: 8, max_nodes: 8, max_depth: 3 }).is_ok());
+        assert_eq!(union.nodes_along(&[1, 3, 5, 6]), vec![0, 2, 4]);
+        assert_eq!(union.nodes_along(&[7]), vec![3]);
+        assert!(union.nodes_along(&[4]).is_empty());
+        // Nothing to add: the union is the tree itself.
+        assert_eq!(drafted.graft(&Tree::chain(&[1, 3])), (drafted.clone(), vec![0, 2]));
     }
 
     fn marginals(ids: Vec<Vec<TokenId>>, log_probs: Vec<Vec<f32>>) -> Marginals {
