@@ -113,6 +113,7 @@ METRICS = {
     "glance_auto_verified_nodes_total": "counter",
     "glance_auto_lookup_rounds_total": "counter",
     "glance_auto_lookup_accepted_tokens_total": "counter",
+    "glance_auto_grafted_lookup_accepted_tokens_total": "counter",
     "glance_auto_known_instruction_requests_total": "counter",
     "glance_auto_calibration_error": "gauge",
     "glance_drafter_round_latency_seconds": "histogram",
