@@ -713,8 +713,9 @@ impl RoundPolicy {
         let is_chosen = |i: usize| chosen.binary_search(&i).is_ok();
         let drafted_kept: Vec<usize> = (0..drafted.len()).filter(|&i| is_chosen(i)).collect();
         if drafted_kept.is_empty() && !chosen.is_empty() {
-            // The lookup alone pays: for the drafter this is a declined tree.
-            self.decline_tree();
+            // The lookup alone pays: the drafter backs off as after a declined tree, and the round
+            // counts as a lookup round in place of a step ([`RoundPolicy::observe_grafted`]).
+            self.back_off_drafting();
         }
         let looked_up_kept: Vec<usize> = (0..looked_up.len()).filter(|&j| is_chosen(index[j])).collect();
         let grafted = Grafted {
@@ -753,7 +754,8 @@ impl RoundPolicy {
             "auto: nodes to verify"
         );
         if best == 0 {
-            self.decline_tree();
+            self.stats.declined_trees += 1;
+            self.back_off_drafting();
             self.pending = None;
         } else {
             self.pending = Some(Pending { expected: best_expected });
@@ -764,8 +766,7 @@ impl RoundPolicy {
     }
 
     /// A drafted tree none of whose nodes pays: the draft was not worth asking for.
-    fn decline_tree(&mut self) {
-        self.stats.declined_trees += 1;
+    fn back_off_drafting(&mut self) {
         self.steps_in_flight = 0;
         self.back_off();
     }
@@ -894,19 +895,23 @@ impl RoundPolicy {
             grafted.looked_up.len(),
             &looked_up_path,
         );
-        let added = grafted.drafted.graft(&grafted.looked_up).0.len() - grafted.drafted.len();
+        let drafted = &grafted.drafted;
+        if drafted.is_empty() {
+            // None of the drafter's nodes was verified ([`RoundPolicy::choose_grafted`]): a lookup
+            // round in place of a step, which says nothing of what the drafter would have committed.
+            self.stats.lookup_rounds += 1;
+            self.stats.lookup_nodes += grafted.looked_up.len();
+            self.stats.lookup_accepted += accepted.len();
+            return;
+        }
+        let added = drafted.graft(&grafted.looked_up).0.len() - drafted.len();
         if added > 0 {
             self.stats.grafted_rounds += 1;
             self.stats.grafted_nodes += added;
             self.stats.grafted_accepted += accepted.len() - drafted_path.len();
         }
-        // A tree none of whose nodes was verified was declined ([`RoundPolicy::choose_grafted`]):
-        // it says nothing of what the drafter would have committed.
-        let drafted = &grafted.drafted;
-        if !drafted.is_empty() {
-            let setting = RoundSetting { root_entropy, horizon, idle };
-            self.learn_from_drafted(drafted, drafted.len(), &drafted_path, setting);
-        }
+        let setting = RoundSetting { root_entropy, horizon, idle };
+        self.learn_from_drafted(drafted, drafted.len(), &drafted_path, setting);
     }
 
     /// Compares what the last chosen round was expected to commit with what it did.
@@ -1333,18 +1338,22 @@ mod tests {
         assert!(same.len() <= drafted.len() && grafted.drafted.len() == same.len(), "{same:?}");
         policy.observe_grafted(&grafted, &[0], None, 16, 0.0);
         assert_eq!(policy.stats.grafted_rounds, 1);
-        // A drafter that stopped being accepted: the lookup alone is verified, which for the
-        // drafter is a declined tree, not a round it missed.
+        // A drafter that stopped being accepted: the lookup alone is verified, a lookup round in
+        // place of a step, not a round the drafter missed; drafting backs off.
         for _ in 0..60 {
             policy.observe_round(&drafted, drafted.len(), &[], None, 16, 0.0);
         }
         let stats_before = policy.stats;
+        (policy.wait, policy.streak) = (0, 0);
         let (tree, grafted) = policy.choose_grafted(&drafted, 3, &looked_up);
         assert!(grafted.drafted.is_empty() && tree.tokens[..4] == [7, 8, 9, 10], "{tree:?}");
-        assert_eq!(policy.stats.declined_trees, stats_before.declined_trees + 1);
+        assert!(policy.wait > 0, "drafting did not back off");
         policy.observe_grafted(&grafted, &[7, 8, 9, 10], None, 16, 0.0);
         assert_eq!(policy.stats.verified_rounds, stats_before.verified_rounds);
-        assert_eq!(policy.stats.grafted_accepted, stats_before.grafted_accepted + 4);
+        assert_eq!(policy.stats.declined_trees, stats_before.declined_trees);
+        assert_eq!(policy.stats.grafted_rounds, stats_before.grafted_rounds);
+        assert_eq!(policy.stats.lookup_rounds, stats_before.lookup_rounds + 1);
+        assert_eq!(policy.stats.lookup_accepted, stats_before.lookup_accepted + 4);
     }
 
     #[test]

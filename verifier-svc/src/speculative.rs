@@ -366,12 +366,11 @@ pub fn speculative_generate(
                 Err(e) => drafting.fail(&mut stats, e),
             }
         }
-        // A step auto takes without asking the drafter, or after a tree the steps left, may
-        // verify a prompt-lookup tree instead (a tree that arrived in time had the lookup grafted
-        // on). Not while a tree is being drafted: the policy asked for it as the better bet, and
-        // tokens committed past its root by lookups shorten what it can still add.
-        let instead_of_step = matches!(greedy, Greedy::NotAsked | Greedy::TreeUnused);
-        if let (None, Some(p), true) = (&round, policy.as_deref_mut(), instead_of_step) {
+        // A step auto takes without asking the drafter may verify a prompt-lookup tree instead (a
+        // tree that arrived had the lookup grafted on). Not while a tree is being drafted: the
+        // policy asked for it as the better bet, and tokens committed past its root by lookups
+        // shorten what it can still add.
+        if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
             if let Some((ngram, chain)) = lookup.propose(&history, root, p) {
                 round = Some((chain, Source::Lookup(ngram)));
             }
