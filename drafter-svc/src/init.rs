@@ -165,14 +165,19 @@ fn reserved_token_id(target_dir: &Path) -> Result<i64, InitError> {
         })
 }
 
-/// `config.json` in the spelling of the public DFlash checkpoints (Qwen3Config keys, DFlash's
-/// `block_size` and `dflash_config`).
-fn head_config_json(target: &TextConfig, spec: &HeadSpec, taps: &[usize], mask: i64) -> Value {
-    let dtype = match spec.dtype {
+/// A dtype as a checkpoint's config.json spells it (HF's `dtype` field).
+pub(crate) fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
         Kind::BFloat16 => "bfloat16",
         Kind::Half => "float16",
         _ => "float32",
-    };
+    }
+}
+
+/// `config.json` in the spelling of the public DFlash checkpoints (Qwen3Config keys, DFlash's
+/// `block_size` and `dflash_config`).
+fn head_config_json(target: &TextConfig, spec: &HeadSpec, taps: &[usize], mask: i64) -> Value {
+    let dtype = dtype_name(spec.dtype);
     json!({
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",

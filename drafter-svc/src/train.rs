@@ -823,12 +823,7 @@ fn record_dtype(config: &Path, kind: Kind) -> Result<(), TrainError> {
         .map_err(|e| TrainError::Data(format!("{}: {e}", config.display())))?;
     let mut json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| TrainError::Data(format!("{}: {e}", config.display())))?;
-    let name = match kind {
-        Kind::BFloat16 => "bfloat16",
-        Kind::Half => "float16",
-        _ => "float32",
-    };
-    json["dtype"] = serde_json::Value::from(name);
+    json["dtype"] = serde_json::Value::from(crate::init::dtype_name(kind));
     let text = serde_json::to_string_pretty(&json).map_err(|e| TrainError::Data(e.to_string()))?;
     std::fs::write(config, text + "\n").map_err(|e| TrainError::Data(format!("{}: {e}", config.display())))
 }

@@ -699,7 +699,7 @@ impl RoundPolicy {
         let (union, index) = drafted.graft(looked_up);
         let mut acceptance = self.calibration.acceptance(drafted);
         acceptance.resize(union.len(), 0.0);
-        let claims = self.lookup.get(ngram).cloned().unwrap_or_default().acceptance(looked_up);
+        let claims = self.lookup_acceptance(ngram, looked_up);
         for (&i, claim) in index.iter().zip(claims) {
             acceptance[i] = acceptance[i].max(claim);
         }
@@ -817,10 +817,7 @@ impl RoundPolicy {
     /// verify pass is weighed.
     /// Where none pays, the first node now and then all the same ([`LookupProbe`]).
     pub fn choose_lookup_nodes(&mut self, ngram: usize, tree: &Tree) -> usize {
-        let acceptance = self.lookup.get(ngram).map_or_else(
-            || Calibration::default().acceptance(tree),
-            |calibration| calibration.acceptance(tree),
-        );
+        let acceptance = self.lookup_acceptance(ngram, tree);
         let best = self.best_prefix(&acceptance, Cycle::default()).0;
         if self.lookup_probes.len() <= ngram {
             self.lookup_probes.resize(ngram + 1, LookupProbe::default());
@@ -840,6 +837,15 @@ impl RoundPolicy {
         self.stats.lookup_rounds += 1;
         self.stats.lookup_nodes += verified;
         self.stats.lookup_accepted += path.len();
+    }
+
+    /// Calibrated acceptance of a lookup tree's nodes for a match of `ngram` tokens (the prior
+    /// where that length was never verified).
+    fn lookup_acceptance(&self, ngram: usize, tree: &Tree) -> Vec<f64> {
+        self.lookup.get(ngram).map_or_else(
+            || Calibration::default().acceptance(tree),
+            |calibration| calibration.acceptance(tree),
+        )
     }
 
     fn lookup_calibration(&mut self, ngram: usize) -> &mut Calibration {
