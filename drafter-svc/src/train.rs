@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use glance_input::{ChatMessage, PromptBuilder, PromptOptions};
-use glance_models::decode::{greedy_generate, teacher_forced, GreedyParams, ModelInputs, StepControl};
+use glance_models::decode::{
+    greedy_generate, teacher_forced, BatchedSequence, GreedyParams, ModelInputs, StepControl,
+};
 use glance_models::weights::Checkpoint;
 use glance_models::LogitRows;
 use glance_models::TargetModel;
@@ -367,9 +369,10 @@ fn json_lines(path: &Path, held_out: bool, count: usize) -> Result<Vec<Vec<ChatM
     Ok(rows)
 }
 
-/// Regenerates each prompt's response with greedy decoding, then runs one teacher-forced pass over
-/// prompt + response for the tap states. The regenerated token rows (the expensive part) are kept
-/// in `cache` as JSON lines, so a resumed or repeated run only recomputes the states.
+/// Regenerates each prompt's response with greedy decoding (batched decoding keeps the tap states
+/// of every position it passes through), else runs one teacher-forced pass over prompt + response
+/// for them. The regenerated token rows (the expensive part) are kept in `cache` as JSON lines and
+/// the states beside them, so a resumed or repeated run recomputes neither.
 pub(crate) struct RowBuilder<'a> {
     pub(crate) target: &'a TargetModel,
     pub(crate) prompts: &'a PromptBuilder,
@@ -411,12 +414,18 @@ impl RowBuilder<'_> {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TrainError::Data(e.to_string()))?;
             let responses = self.responses(&inputs, &mut known)?;
-            for (inputs, response) in inputs.iter().zip(responses) {
+            for (inputs, BatchedSequence { tokens: response, states: regenerated_states }) in
+                inputs.iter().zip(responses)
+            {
                 let _no_grad = tch::no_grad_guard();
                 let name = self.state_name(inputs, &response);
-                let states = match cached.remove(&name) {
-                    Some(states) => states.to_device(self.target.device()),
-                    None => {
+                let states = match (cached.remove(&name), regenerated_states) {
+                    (Some(states), _) => states.to_device(self.target.device()),
+                    (None, Some(states)) => {
+                        computed += 1;
+                        states
+                    }
+                    (None, None) => {
                         computed += 1;
                         teacher_forced_states(self.target, inputs, &response, self.taps)?
                     }
@@ -450,29 +459,36 @@ impl RowBuilder<'_> {
     }
 
     /// Each prompt's greedy response: from `known` (the cache's rows), else regenerated (`batch`
-    /// prompts at a time) and appended to the cache.
+    /// prompts at a time, with the tap states the batched decoding passed through) and appended
+    /// to the cache.
     fn responses(
         &self,
         inputs: &[ModelInputs],
         known: &mut std::collections::HashMap<String, Vec<i64>>,
-    ) -> Result<Vec<Vec<i64>>, TrainError> {
+    ) -> Result<Vec<BatchedSequence>, TrainError> {
         let keys: Vec<String> = inputs.iter().map(|i| CachedRow::key(i, self.max_new_tokens)).collect();
         let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !known.contains_key(&keys[i])).collect();
+        let mut fresh_states = std::collections::HashMap::new();
         for chunk in missing.chunks(self.batch.max(1)) {
-            let responses = if chunk.len() > 1 {
+            let regenerated = if chunk.len() > 1 {
                 let batch: Vec<&ModelInputs> = chunk.iter().map(|&i| &inputs[i]).collect();
-                regenerate_batch(self.target, self.prompts, &batch, self.max_new_tokens)?
+                regenerate_batch(self.target, self.prompts, &batch, self.max_new_tokens, self.taps)?
             } else {
-                let single =
-                    |&i: &usize| regenerate(self.target, self.prompts, &inputs[i], self.max_new_tokens);
+                let single = |&i: &usize| {
+                    regenerate(self.target, self.prompts, &inputs[i], self.max_new_tokens)
+                        .map(|tokens| BatchedSequence { tokens, states: None })
+                };
                 chunk.iter().map(single).collect::<Result<Vec<_>, _>>()?
             };
-            for (&i, response) in chunk.iter().zip(responses) {
-                append_row_cache(&self.cache, &keys[i], &response)?;
-                known.insert(keys[i].clone(), response);
+            for (&i, sequence) in chunk.iter().zip(regenerated) {
+                append_row_cache(&self.cache, &keys[i], &sequence.tokens)?;
+                known.insert(keys[i].clone(), sequence.tokens);
+                fresh_states.extend(sequence.states.map(|s| (i, s)));
             }
         }
-        Ok(keys.iter().map(|k| known[k].clone()).collect())
+        let sequence =
+            |(i, key)| BatchedSequence { tokens: known[key].clone(), states: fresh_states.remove(&i) };
+        Ok(keys.iter().enumerate().map(sequence).collect())
     }
 }
 
@@ -530,16 +546,18 @@ fn append_row_cache(path: &Path, key: &str, response: &[i64]) -> Result<(), Trai
     writeln!(file, "{line}").map_err(io)
 }
 
-/// The target's greedy responses to several prompts, decoded as one batch.
+/// The target's greedy responses to several prompts, decoded as one batch, each with the tap
+/// states of prompt + response (see [`teacher_forced_states`]).
 fn regenerate_batch(
     target: &TargetModel,
     prompts: &PromptBuilder,
     inputs: &[&ModelInputs],
     max_new_tokens: usize,
-) -> Result<Vec<Vec<i64>>, TrainError> {
+    taps: &[usize],
+) -> Result<Vec<BatchedSequence>, TrainError> {
     let eos: Vec<i64> = prompts.eos_token_ids().iter().map(|&i| i as i64).collect();
     let params = GreedyParams { max_new_tokens, eos_token_ids: &eos, context_limit: 1 << 16, logprobs: None };
-    glance_models::decode::greedy_generate_batch(target, inputs, &params)
+    glance_models::decode::greedy_generate_batch_with_taps(target, inputs, &params, taps)
         .map_err(|e| TrainError::Target(e.to_string()))
 }
 

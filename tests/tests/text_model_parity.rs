@@ -14,7 +14,7 @@ use glance_tests::{
     fixtures, greedy, max_abs_diff, prompt_forward, reference_inputs, test_device, Case, TEXT_CASES,
     TEXT_FAMILIES,
 };
-use tch::Kind;
+use tch::{Kind, Tensor};
 
 const TOLERANCE: f64 = 1e-4;
 
@@ -187,5 +187,48 @@ fn batched_greedy_equals_the_reference_per_prompt() {
             let end = case.greedy_tokens.iter().position(|t| *t == eos[0]).map_or(32, |p| p + 1);
             assert_eq!(tokens[..], case.greedy_tokens[..end], "{family}/{}: EOS", case.case);
         }
+    }
+}
+
+/// Batched greedy decoding that keeps the taps (drafter training's regeneration) gives each
+/// prompt the tap states a teacher-forced pass over its tokens gives, in f32, also for a sequence
+/// an EOS ended early (its last token is read by a step it only rides along in) and for the ones
+/// whose last token is read by the one step taken after every sequence is done.
+#[test]
+fn batched_greedy_keeps_the_states_of_a_teacher_forced_pass() {
+    use glance_models::decode::{greedy_generate_batch_with_taps, teacher_forced};
+    let Some(root) = fixtures() else { return };
+    for family in TEXT_FAMILIES {
+        let dir = root.join(family);
+        let model = load(&dir, Kind::Float);
+        let cases: Vec<Case> = TEXT_CASES.iter().map(|name| Case::load(&dir, name)).collect();
+        let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
+        let taps = &cases[0].tap_layers;
+        let eos = [cases[0].greedy_tokens[3]];
+        let params =
+            GreedyParams { max_new_tokens: 12, eos_token_ids: &eos, context_limit: 1 << 20, logprobs: None };
+        let batch = inputs.iter().collect::<Vec<_>>();
+        let sequences = greedy_generate_batch_with_taps(&model, &batch, &params, taps).expect("batched");
+        let lengths: Vec<usize> = sequences.iter().map(|s| s.tokens.len()).collect();
+        assert!(
+            lengths.iter().any(|&l| l < 12) && lengths.contains(&12),
+            "{family}: an early EOS and a full row: {lengths:?}"
+        );
+        for ((case, input), sequence) in cases.iter().zip(&inputs).zip(&sequences) {
+            let states = sequence.states.as_ref().expect("every token was read");
+            let pass = teacher_forced(&model, input, &sequence.tokens, taps, glance_models::LogitRows::None)
+                .expect("teacher forced");
+            let continuation = Tensor::cat(&pass.continuation.expect("tokens").taps, -1);
+            let expected = Tensor::cat(&[pass.prompt_states.expect("taps"), continuation], 0);
+            assert_eq!(states.size(), expected.size(), "{family}/{}", case.case);
+            let diff = max_abs_diff(states, &expected);
+            assert!(diff < 1e-4, "{family}/{}: tap states off by {diff}", case.case);
+        }
+        let plain = glance_models::decode::greedy_generate_batch(&model, &batch, &params).expect("batched");
+        assert_eq!(
+            plain,
+            sequences.into_iter().map(|s| s.tokens).collect::<Vec<_>>(),
+            "{family}: same tokens"
+        );
     }
 }

@@ -290,6 +290,29 @@ pub fn greedy_generate_batch(
     inputs: &[&ModelInputs],
     params: &GreedyParams,
 ) -> Result<Vec<Vec<i64>>, ModelError> {
+    let sequences = greedy_generate_batch_with_taps(model, inputs, params, &[])?;
+    Ok(sequences.into_iter().map(|s| s.tokens).collect())
+}
+
+/// One sequence of [`greedy_generate_batch_with_taps`].
+pub struct BatchedSequence {
+    pub tokens: Vec<i64>,
+    /// The tap states of prompt + tokens, (prompt + tokens, taps·hidden): what a teacher-forced
+    /// pass over the tokens gives (up to a batched matmul's summation order). `None` when no tap
+    /// was asked for, or when the context filled before the last token was passed through.
+    pub states: Option<Tensor>,
+}
+
+/// [`greedy_generate_batch`], also keeping the `taps` layers' outputs of every position it
+/// passes through: the prompt's from its prefill, each token's from the step that reads it (one
+/// step more at the end, for the tokens chosen last). Drafter training needs exactly these states,
+/// and reading them here spares it a second, teacher-forced pass over every row.
+pub fn greedy_generate_batch_with_taps(
+    model: &TargetModel,
+    inputs: &[&ModelInputs],
+    params: &GreedyParams,
+    taps: &[usize],
+) -> Result<Vec<BatchedSequence>, ModelError> {
     let _no_grad = tch::no_grad_guard();
     let Some(longest) = inputs.iter().map(|i| i.input_ids.len()).max() else { return Ok(vec![]) };
     let capacity = params.capacity(longest)?;
@@ -298,21 +321,28 @@ pub fn greedy_generate_batch(
     let mut cache = model.text.new_batched_cache(batch, capacity, kind, device);
     let padded = PaddedBatch::new(inputs, longest);
     let mut next = Vec::with_capacity(batch);
+    let mut states: Vec<Vec<Tensor>> = Vec::with_capacity(batch);
     for (b, input) in inputs.iter().enumerate() {
         let mut single = model.new_cache(input.input_ids.len());
-        next.push(argmax_last(&prefill(model, input, &mut single)?));
+        let (logits, prompt_states) = prefill_with_taps(model, input, &mut single, taps)?;
+        next.push(argmax_last(&logits));
+        states.push(prompt_states.into_iter().collect());
         cache.splice_sequence(b, &single, padded.pads[b])?;
     }
     let mut tokens: Vec<Vec<i64>> = vec![Vec::new(); batch];
     let mut done = vec![false; batch];
     for step in 0.. {
+        // The sequences whose newest token this step's pass reads (the rest ride along).
+        let mut reading = vec![false; batch];
         for (b, &token) in next.iter().enumerate() {
             if !done[b] {
                 tokens[b].push(token);
+                reading[b] = true;
                 done[b] = params.eos_token_ids.contains(&token) || tokens[b].len() >= params.max_new_tokens;
             }
         }
-        if done.iter().all(|&d| d) || cache.len() >= capacity {
+        let states_wanted = !taps.is_empty() && reading.contains(&true);
+        if (done.iter().all(|&d| d) && !states_wanted) || cache.len() >= capacity {
             break;
         }
         let positions: Vec<i64> =
@@ -322,14 +352,26 @@ pub fn greedy_generate_batch(
             positions: &crate::upload(&positions, device).view([3, batch as i64]),
             mask: Some(&padded.decode_mask(cache.len(), kind, device)),
             vision: None,
-            taps: &[],
+            taps,
             logits: LogitRows::Last,
         };
-        let logits = model.forward(&decode, &mut cache)?.logits.expect("logits were requested");
+        let out = model.forward(&decode, &mut cache)?;
+        if !taps.is_empty() {
+            let rows = Tensor::cat(&out.taps, -1); // (batch, taps·hidden)
+            for b in (0..batch).filter(|&b| reading[b]) {
+                states[b].push(rows.narrow(0, b as i64, 1));
+            }
+        }
+        let logits = out.logits.expect("logits were requested");
         next = Vec::<i64>::try_from(logits.to_kind(Kind::Float).argmax(-1, false))
             .map_err(|e| ModelError::Input(e.to_string()))?;
     }
-    Ok(tokens)
+    let sequences = tokens.into_iter().zip(states).map(|(tokens, states)| {
+        // The prompt's states and one row per token read, or the context filled first.
+        let complete = !states.is_empty() && states.len() == 1 + tokens.len();
+        BatchedSequence { states: complete.then(|| Tensor::cat(&states, 0)), tokens }
+    });
+    Ok(sequences.collect())
 }
 
 /// Prompts left-padded to one length: sequence b's prompt sits at columns pad_b..longest.
