@@ -156,16 +156,21 @@ fn bf16_runs_close_to_the_f32_reference() {
     }
 }
 
+/// A family's tiny model in f32, its text cases and their inputs.
+fn f32_model_and_cases(root: &Path, family: &str) -> (TargetModel, Vec<Case>, Vec<ModelInputs>) {
+    let dir = root.join(family);
+    let cases: Vec<Case> = TEXT_CASES.iter().map(|name| Case::load(&dir, name)).collect();
+    let inputs = cases.iter().map(reference_inputs).collect();
+    (load(&dir, Kind::Float), cases, inputs)
+}
+
 /// Batched greedy decoding (left-padded prompts of different lengths, one pass per step for all)
 /// gives every prompt transformers' own greedy tokens, in f32.
 #[test]
 fn batched_greedy_equals_the_reference_per_prompt() {
     let Some(root) = fixtures() else { return };
     for family in TEXT_FAMILIES {
-        let dir = root.join(family);
-        let model = load(&dir, Kind::Float);
-        let cases: Vec<Case> = TEXT_CASES.iter().map(|name| Case::load(&dir, name)).collect();
-        let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
+        let (model, cases, inputs) = f32_model_and_cases(&root, family);
         let lengths: Vec<usize> = inputs.iter().map(|i| i.input_ids.len()).collect();
         assert!(lengths.iter().any(|&l| l != lengths[0]), "the batch needs padding: {lengths:?}");
         let params =
@@ -199,10 +204,7 @@ fn batched_greedy_keeps_the_states_of_a_teacher_forced_pass() {
     use glance_models::decode::{greedy_generate_batch_with_taps, teacher_forced};
     let Some(root) = fixtures() else { return };
     for family in TEXT_FAMILIES {
-        let dir = root.join(family);
-        let model = load(&dir, Kind::Float);
-        let cases: Vec<Case> = TEXT_CASES.iter().map(|name| Case::load(&dir, name)).collect();
-        let inputs: Vec<ModelInputs> = cases.iter().map(reference_inputs).collect();
+        let (model, cases, inputs) = f32_model_and_cases(&root, family);
         let taps = &cases[0].tap_layers;
         let eos = [cases[0].greedy_tokens[3]];
         let params =
