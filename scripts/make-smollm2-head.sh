@@ -3,9 +3,10 @@
 # noise; multithreaded CPU kernels are not bit-exact). Both kinds train on ShareGPT's first human
 # turns with the target's own greedy responses (128 tokens, regenerated 32 at a time by batched
 # greedy decoding and cached in regenerated.jsonl beside the head), the same seed and held-out
-# split (24 conversations by id). About 25 minutes of regeneration on 2 CPU cores, then about an
-# hour of training for the block head (0.25 s a step on two Zen 4 threads, 2026-12-05), 15
-# minutes for the EAGLE-3 head. Figures: README "A real model".
+# split (24 conversations by id). About 16 minutes of regeneration on 2 CPU cores (1.0 s a row, the
+# tap states read from the batched decoding itself), then about an hour of training for the block
+# head (0.25 s a step on two Zen 4 threads, 2026-12-05), 15 minutes for the EAGLE-3 head. Figures:
+# README "A real model". GLANCE_HEAD_ROWS=2784 trains on three times the rows (README, session 28).
 #
 #   scripts/make-smollm2-head.sh          the committed GLANCE head, models/smollm2-head: a fresh
 #       2-layer DFlash head reading target layer 15 (final norm starting at 0.1, so the first loss
