@@ -419,15 +419,14 @@ impl RowBuilder<'_> {
             {
                 let _no_grad = tch::no_grad_guard();
                 let name = self.state_name(inputs, &response);
-                let states = match (cached.remove(&name), regenerated_states) {
-                    (Some(states), _) => states.to_device(self.target.device()),
-                    (None, Some(states)) => {
+                let states = match cached.remove(&name) {
+                    Some(states) => states.to_device(self.target.device()),
+                    None => {
                         computed += 1;
-                        states
-                    }
-                    (None, None) => {
-                        computed += 1;
-                        teacher_forced_states(self.target, inputs, &response, self.taps)?
+                        match regenerated_states {
+                            Some(states) => states,
+                            None => teacher_forced_states(self.target, inputs, &response, self.taps)?,
+                        }
                     }
                 };
                 let tokens = inputs.input_ids.iter().chain(&response).copied().collect();
@@ -468,7 +467,8 @@ impl RowBuilder<'_> {
     ) -> Result<Vec<BatchedSequence>, TrainError> {
         let keys: Vec<String> = inputs.iter().map(|i| CachedRow::key(i, self.max_new_tokens)).collect();
         let missing: Vec<usize> = (0..inputs.len()).filter(|&i| !known.contains_key(&keys[i])).collect();
-        let mut fresh_states = std::collections::HashMap::new();
+        let mut fresh_states: Vec<Option<Tensor>> =
+            std::iter::repeat_with(|| None).take(inputs.len()).collect();
         for chunk in missing.chunks(self.batch.max(1)) {
             let regenerated = if chunk.len() > 1 {
                 let batch: Vec<&ModelInputs> = chunk.iter().map(|&i| &inputs[i]).collect();
@@ -483,12 +483,11 @@ impl RowBuilder<'_> {
             for (&i, sequence) in chunk.iter().zip(regenerated) {
                 append_row_cache(&self.cache, &keys[i], &sequence.tokens)?;
                 known.insert(keys[i].clone(), sequence.tokens);
-                fresh_states.extend(sequence.states.map(|s| (i, s)));
+                fresh_states[i] = sequence.states;
             }
         }
-        let sequence =
-            |(i, key)| BatchedSequence { tokens: known[key].clone(), states: fresh_states.remove(&i) };
-        Ok(keys.iter().enumerate().map(sequence).collect())
+        let sequence = |(key, states)| BatchedSequence { tokens: known[key].clone(), states };
+        Ok(keys.iter().zip(fresh_states).map(sequence).collect())
     }
 }
 
