@@ -396,6 +396,8 @@ pub struct Grafted {
     pub looked_up: Tree,
     /// The length of the suffix n-gram the lookup matched.
     pub ngram: usize,
+    /// How many of the verified nodes only the lookup proposed.
+    pub lookup_only: usize,
 }
 
 /// What a verified round's cycle holds beyond the round itself: tokens, and seconds.
@@ -722,6 +724,7 @@ impl RoundPolicy {
             drafted: drafted.select(&drafted_kept),
             looked_up: looked_up.select(&looked_up_kept),
             ngram,
+            lookup_only: chosen.len() - drafted_kept.len(),
         };
         (union.select(&chosen), grafted)
     }
@@ -910,10 +913,9 @@ impl RoundPolicy {
             self.stats.lookup_accepted += accepted.len();
             return;
         }
-        let added = drafted.graft(&grafted.looked_up).0.len() - drafted.len();
-        if added > 0 {
+        if grafted.lookup_only > 0 {
             self.stats.grafted_rounds += 1;
-            self.stats.grafted_nodes += added;
+            self.stats.grafted_nodes += grafted.lookup_only;
             self.stats.grafted_accepted += accepted.len() - drafted_path.len();
         }
         let setting = RoundSetting { root_entropy, horizon, idle };
