@@ -101,11 +101,13 @@ struct ServeArgs {
     /// terminationGracePeriodSeconds above the preStop delay plus this.
     #[arg(long, env = "GLANCE_DRAFTER_DRAIN_TIMEOUT_S", default_value_t = 120.0)]
     drain_timeout_s: f64,
-    /// Block head: which tokens a draft pass scores. `auto`: the tokens of the head's training
-    /// responses (`draft_vocab.json` in the head directory, written by `train`) when the
-    /// directory has that file, else the whole vocabulary; `all`: the whole vocabulary; N: the N
-    /// most frequent of the file's. The LM-head matmul of a draft pass shrinks from the whole
-    /// vocabulary to those rows. Tokens outside are never drafted; the output is the same.
+    /// Block head: which tokens a draft pass scores. `auto`: the most frequent tokens of the
+    /// head's training responses (`draft_vocab.json` in the head directory, written by `train`)
+    /// covering 98% of them (at least 4,096) when the directory has that file, else the whole
+    /// vocabulary; `all`: the whole vocabulary; N: the N most frequent of the file's; P%: as many
+    /// of the file's as cover P% of the responses' tokens. The LM-head matmul of a draft pass
+    /// shrinks from the whole vocabulary to those rows. Tokens outside are never drafted; the
+    /// output is the same.
     #[arg(long, env = "GLANCE_DRAFTER_DRAFT_VOCAB", default_value_t = DraftVocabChoice::Auto)]
     draft_vocab: DraftVocabChoice,
     /// EAGLE-3: passes per tree after the first, so trees reach `depth + 1` tokens (EAGLE's
@@ -308,7 +310,8 @@ fn build_engine(args: &ServeArgs, device: Device, kind: Kind) -> Result<Box<dyn 
     let need = |what: &Option<PathBuf>, flag: &str| {
         what.clone().ok_or_else(|| format!("--kind {:?} needs {flag}", args.kind))
     };
-    if matches!(args.draft_vocab, DraftVocabChoice::Top(_)) && !matches!(args.kind, Kind_::BlockHead) {
+    let explicit_vocab = matches!(args.draft_vocab, DraftVocabChoice::Top(_) | DraftVocabChoice::Covering(_));
+    if explicit_vocab && !matches!(args.kind, Kind_::BlockHead) {
         return Err(format!(
             "--draft-vocab is for --kind block-head, not {:?} (an EAGLE-3 head carries its own, d2t)",
             args.kind

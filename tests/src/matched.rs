@@ -34,8 +34,9 @@ pub struct ServiceArgs {
     #[arg(long, default_value_t = 1)]
     pub threads_per_service: u32,
     /// Which tokens the block head's drafter scores (drafter-svc `--draft-vocab`): `auto`, the
-    /// tokens of its training responses when the head directory has their `draft_vocab.json`,
-    /// else all; `all`; or N, the N most frequent of the file's.
+    /// most frequent tokens of its training responses covering 98% of them (at least 4,096) when
+    /// the head directory has their `draft_vocab.json`, else all; `all`; N, the N most frequent
+    /// of the file's; or P%, as many as cover P% of them.
     #[arg(long, default_value_t = drafter_svc::draft_vocab::DraftVocabChoice::Auto)]
     pub draft_vocab: drafter_svc::draft_vocab::DraftVocabChoice,
     /// An EAGLE-3 head trained on the same rows (the matched comparison): adds its chains of
