@@ -161,9 +161,9 @@ impl VerifyCost {
     }
 }
 
-/// Per depth, how often the drafter's path probability turns out right: the calibrated
-/// acceptance of a node is `clamp(α_d · q, 0, 1)` with `α_d` = accepted nodes / Σ q at depth d,
-/// both decayed so that the estimate follows the request.
+/// Per depth, how often a source's path probability turns out right: the calibrated acceptance
+/// of a node is `clamp(α_d · q, 0, 1)` with `α_d` = accepted nodes / Σ q at depth d, both decayed
+/// so that the estimate follows the request.
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
     /// (Σ q, accepted) per depth − 1.
@@ -172,20 +172,39 @@ pub struct Calibration {
 
 impl Calibration {
     const DECAY: f64 = 0.97;
-    /// Pseudo-observations that start α at 1 (trust the drafter until shown otherwise).
+    /// Pseudo-observations at each depth that start its α at the depth above's (at depth 1: at 1,
+    /// trusting the source until shown otherwise). A depth seldom verified is thus taken to be
+    /// claimed as truthfully as the one above it, not as the source claims: a prompt-lookup
+    /// run's claims halve with each depth while its acceptance does not (a copied passage goes
+    /// on), and at α = 1 its deeper nodes looked too poor to verify, so nothing ever showed
+    /// otherwise; a drafter's overclaim grows with depth, and its deep nodes start no more
+    /// trusted than the shallower ones proved.
     const PRIOR: f64 = 0.5;
 
+    /// α_d for depth `depth` (≥ 1).
     pub fn factor(&self, depth: usize) -> f64 {
-        let (claimed, accepted) = self.depths.get(depth.saturating_sub(1)).copied().unwrap_or_default();
-        (accepted + Self::PRIOR) / (claimed + Self::PRIOR)
+        self.factors(depth).last().copied().unwrap_or(1.0)
+    }
+
+    /// α_1 … α_deepest.
+    fn factors(&self, deepest: usize) -> Vec<f64> {
+        let mut above = 1.0;
+        (0..deepest)
+            .map(|d| {
+                let (claimed, accepted) = self.depths.get(d).copied().unwrap_or_default();
+                above = (accepted + Self::PRIOR * above) / (claimed + Self::PRIOR);
+                above
+            })
+            .collect()
     }
 
     /// Calibrated acceptance probability of each node (a path never more likely than its parent).
     pub fn acceptance(&self, tree: &Tree) -> Vec<f64> {
+        let factors = self.factors(tree.depths.iter().copied().max().unwrap_or(0) as usize);
         let mut out: Vec<f64> = Vec::with_capacity(tree.len());
         for i in 0..tree.len() {
             let q = tree.log_probs[i].exp();
-            let a = (self.factor(tree.depths[i] as usize) * q).clamp(0.0, 1.0);
+            let a = (factors[tree.depths[i] as usize - 1] * q).clamp(0.0, 1.0);
             let parent = usize::try_from(tree.parents[i]).ok().map_or(1.0, |p| out[p]);
             out.push(a.min(parent));
         }
@@ -732,8 +751,9 @@ impl RoundPolicy {
     /// The nodes to verify of a tree whose nodes have the calibrated `acceptance` (each no more
     /// than its parent's, parents first), ascending: see [`RoundPolicy::choose_nodes`].
     fn choose_by_acceptance(&mut self, acceptance: &[f64]) -> Vec<usize> {
-        // Probes after a back-off choose like any round: depths never verified keep the optimistic
-        // prior, so they are tried as soon as they could pay.
+        // Probes after a back-off choose like any round: depths never verified are trusted as the
+        // depth above them proved to be ([`Calibration`]), so they are tried as soon as they
+        // could pay.
         self.explore = false;
         if self.warm_up_rounds < Self::WARM_UP_ROUNDS {
             self.warm_up_rounds += 1;
@@ -1402,6 +1422,29 @@ mod tests {
         let acceptance = calibration.acceptance(&tree)[0];
         assert!((acceptance - 0.5).abs() < 0.05, "calibrated acceptance {acceptance}");
         assert!((calibration.factor(1) - 0.5 / 0.9).abs() < 0.06);
+    }
+
+    #[test]
+    fn a_depth_never_verified_is_trusted_as_the_one_above_it() {
+        // A prompt-lookup run claims 1/2, 1/4, 1/8, 1/16 down its chain; verified to depth 3, it
+        // is accepted whole every time.
+        let mut calibration = Calibration::default();
+        let tree = chain(4, 0.5);
+        for _ in 0..40 {
+            calibration.observe(&tree, 3, &[0, 1, 2]);
+        }
+        let a = calibration.acceptance(&tree);
+        assert!(a[2] > 0.9, "{a:?}");
+        // Depth 4 was never verified: its claim counts as depth 3's did (α_3 ≈ 8), not at face
+        // value (1/16), so it is worth verifying the next time.
+        assert!((calibration.factor(4) - calibration.factor(3)).abs() < 1e-9);
+        assert!(calibration.factor(3) > 7.0 && a[3] > 0.4, "{a:?}");
+        // A drafter that overclaims at depth 1 is not trusted more below it.
+        let mut drafter = Calibration::default();
+        for round in 0..100 {
+            drafter.observe(&chain(1, 0.9), 1, if round % 4 == 0 { &[0] } else { &[] });
+        }
+        assert!(drafter.factor(2) < 0.4 && drafter.factor(5) < 0.4, "{}", drafter.factor(2));
     }
 
     #[test]
