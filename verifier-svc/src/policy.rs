@@ -181,7 +181,8 @@ impl Calibration {
     /// trusted than the shallower ones proved.
     const PRIOR: f64 = 0.5;
 
-    /// α_d for depth `depth` (≥ 1).
+    /// α_d for depth `depth` (≥ 1): the tests' view of what [`Calibration::acceptance`] scales by.
+    #[cfg(test)]
     pub fn factor(&self, depth: usize) -> f64 {
         self.factors(depth).last().copied().unwrap_or(1.0)
     }
