@@ -247,8 +247,8 @@ async fn every_speculative_mode_equals_greedy_through_both_services() {
     assert!(lookup_rounds > 0, "auto never verified a prompt-lookup chain");
 }
 
-/// A round whose accepted run goes past `max_new_tokens` commits only up to the limit: the output
-/// is the greedy output's prefix, in every drafting mode.
+/// An oracle's run past `max_new_tokens` is never verified beyond the limit, and the output is the
+/// greedy output's prefix, in every drafting mode.
 async fn accepted_runs_past_the_token_limit(url: &str, prompts: &[SuitePrompt], family: &str) {
     let mut client = GenerationClient::connect(url.to_string()).await.expect("connect");
     for mode in [pb::DecodingMode::SpeculativeTree, pb::DecodingMode::Auto] {
@@ -258,6 +258,12 @@ async fn accepted_runs_past_the_token_limit(url: &str, prompts: &[SuitePrompt], 
             let response = client.generate(request).await.expect("a short request").into_inner();
             let tokens: Vec<i64> = response.token_ids.iter().map(|&t| t as i64).collect();
             assert_eq!(tokens, prompt.greedy[..5], "{family} {mode:?}: a run past the limit");
+            // The first token comes from the prefill, so a round can commit at most 4 (3 accepted
+            // and the bonus): nothing deeper than 3 is worth a row of the verify pass.
+            let stats = response.speculative.expect("speculative stats");
+            let deepest =
+                stats.accepted_per_depth.iter().rposition(|&rounds| rounds > 0).map_or(0, |d| d + 1);
+            assert!(deepest <= 3, "{family} {mode:?}: accepted a node at depth {deepest} past the limit");
         }
     }
 }

@@ -225,7 +225,7 @@ struct Committer<'a, F: FnMut(Emitted<'_>) -> StepControl> {
     limit: usize,
 }
 
-impl<F: FnMut(Emitted<'_>) -> StepControl> Committer<'_, F> {
+impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
     /// Whether committing `tokens` ends the generation by the checks that do not depend on the
     /// client (end of sequence, the token limit, the context): [`Committer::commit`]'s own, ahead
     /// of it.
@@ -235,6 +235,18 @@ impl<F: FnMut(Emitted<'_>) -> StepControl> Committer<'_, F> {
             || total >= self.params.max_new_tokens
             // The cache would then hold the prompt and all but the last token (see `commit`).
             || self.prompt_len + total > self.limit
+    }
+
+    /// What of a tree a round could still commit once `pending` more tokens are committed: the
+    /// depth the length and context limits leave (a round commits its accepted path and the
+    /// bonus token, so a node deeper than the tokens left minus one adds nothing), and the tokens
+    /// that end the generation.
+    fn room(&self, pending: usize) -> Room<'a> {
+        let committed = self.tokens.len() + pending;
+        let by_length = self.params.max_new_tokens.saturating_sub(committed);
+        // `commit` ends the generation once the cache would hold `limit` positions.
+        let by_context = (self.limit + 1).saturating_sub(self.prompt_len + committed);
+        Room { depth: by_length.min(by_context).saturating_sub(1), ends: self.params.eos_token_ids }
     }
 
     /// Commits one token (with its log-probability when asked for) with the autoregressive
@@ -257,6 +269,24 @@ impl<F: FnMut(Emitted<'_>) -> StepControl> Committer<'_, F> {
             None
         };
         self.finish.is_none()
+    }
+}
+
+/// What a round could still commit (see [`Committer::room`]).
+#[derive(Clone, Copy)]
+struct Room<'a> {
+    /// The deepest node worth verifying.
+    depth: usize,
+    /// Tokens that end the generation: nothing below one is ever committed.
+    ends: &'a [i64],
+}
+
+impl Room<'_> {
+    /// The nodes of `tree` a round could commit ([`Tree::committable`]): a verify pass never
+    /// spends rows on the rest, which the drafter proposes blindly (its block runs past the end
+    /// of an answer) and greedy decoding would never reach.
+    fn cut(&self, tree: Tree) -> Tree {
+        tree.committable(self.depth, |token| self.ends.contains(&i64::from(token)))
     }
 }
 
@@ -330,6 +360,7 @@ pub fn speculative_generate(
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!(target: ROUND_SPANS, "round", position = start).entered();
+        let room = committer.room(0);
         // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
         let ask = Ask { history: &history, root, start, root_entropy };
         let mut greedy = drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
@@ -360,7 +391,7 @@ pub fn speculative_generate(
                         let stepped =
                             Stepped { path: &path, root_entropy: flight.root_entropy, horizon: max_depth };
                         let looked_up = policy.is_some().then(|| lookup.find(&history, root)).flatten();
-                        round = to_verify(drafted.tree, stepped, policy.as_deref_mut(), looked_up);
+                        round = to_verify(drafted.tree, stepped, room, policy.as_deref_mut(), looked_up);
                     }
                 }
                 Err(e) => drafting.fail(&mut stats, e),
@@ -371,7 +402,7 @@ pub fn speculative_generate(
         // policy asked for it as the better bet, and tokens committed past its root by lookups
         // shorten what it can still add.
         if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
-            if let Some((ngram, chain)) = lookup.propose(&history, root, p) {
+            if let Some((ngram, chain)) = lookup.propose(&history, root, room, p) {
                 round = Some((chain, Source::Lookup(ngram)));
             }
         }
@@ -745,8 +776,18 @@ impl Lookup {
 
     /// The n-gram length that matched and the lookup tree's best-first prefix to verify in place
     /// of a step, if any pays.
-    fn propose(&mut self, history: &History, root: i64, policy: &mut RoundPolicy) -> Option<(usize, Tree)> {
-        let (ngram, mut tree) = self.find(history, root)?;
+    fn propose(
+        &mut self,
+        history: &History,
+        root: i64,
+        room: Room,
+        policy: &mut RoundPolicy,
+    ) -> Option<(usize, Tree)> {
+        let (ngram, tree) = self.find(history, root)?;
+        let mut tree = room.cut(tree);
+        if tree.is_empty() {
+            return None;
+        }
         tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
         (!tree.is_empty()).then_some((ngram, tree))
     }
@@ -820,13 +861,15 @@ enum Source {
 }
 
 /// What of a (valid) tree drafted at an earlier root to verify now that `stepped.path` has been
-/// committed past that root: the subtree below the path, cut by the auto policy to the nodes
-/// that pay, with the prompt-lookup tree `looked_up` found at the current root (auto only)
-/// grafted on. `None`: nothing (the steps left the tree or passed its depth, or the policy
-/// declined). A tree the steps left still tells the policy how much of it held.
+/// committed past that root: the subtree below the path that the generation could still commit
+/// (`room`), cut by the auto policy to the nodes that pay, with the prompt-lookup tree
+/// `looked_up` found at the current root (auto only) grafted on. `None`: nothing (the steps left
+/// the tree or passed its depth, no room is left, or the policy declined). A tree the steps left
+/// still tells the policy how much of it held.
 fn to_verify(
     tree: Tree,
     stepped: Stepped,
+    room: Room,
     policy: Option<&mut RoundPolicy>,
     looked_up: Option<(usize, Tree)>,
 ) -> Option<(Tree, Source)> {
@@ -836,14 +879,19 @@ fn to_verify(
             p.observe_stale_tree(followed, stepped.root_entropy, stepped.horizon);
             return None;
         }
-        (tree, None) => (tree?, Source::Drafter),
-        (Some(tree), Some(p)) => match looked_up {
-            Some((ngram, looked_up)) => {
-                let (union, grafted) = p.choose_grafted(&tree, ngram, &looked_up);
-                (union, Source::Grafted(grafted))
+        (tree, None) => (room.cut(tree?), Source::Drafter),
+        (Some(tree), Some(p)) => {
+            let tree = room.cut(tree);
+            match looked_up {
+                // Only the final token is left: there is nothing to choose from.
+                _ if tree.is_empty() => return None,
+                Some((ngram, looked_up)) => {
+                    let (union, grafted) = p.choose_grafted(&tree, ngram, &room.cut(looked_up));
+                    (union, Source::Grafted(grafted))
+                }
+                None => (tree.select(&p.choose_nodes(&tree)), Source::Drafter),
             }
-            None => (tree.select(&p.choose_nodes(&tree)), Source::Drafter),
-        },
+        }
     };
     (!tree.is_empty()).then_some((tree, source))
 }

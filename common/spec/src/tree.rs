@@ -109,6 +109,28 @@ impl Tree {
         kept
     }
 
+    /// The nodes a round could still commit: none below a node whose token ends the generation
+    /// (`ends`: the committer stops there) and none deeper than `max_depth` (the generation's
+    /// length or context limit stops it first). Ancestor-closed and in order, so a best-first
+    /// tree stays best-first; the tree itself when nothing is cut.
+    pub fn committable(self, max_depth: usize, ends: impl Fn(TokenId) -> bool) -> Tree {
+        // open[i]: node i can be committed and so can a child of it.
+        let mut open = vec![false; self.len()];
+        let mut keep = Vec::with_capacity(self.len());
+        for i in 0..self.len() {
+            let reachable = usize::try_from(self.parents[i]).map_or(true, |p| open[p]);
+            if reachable && self.depths[i] as usize <= max_depth {
+                keep.push(i);
+                open[i] = !ends(self.tokens[i]);
+            }
+        }
+        if keep.len() == self.len() {
+            self
+        } else {
+            self.select(&keep)
+        }
+    }
+
     /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
     /// earlier node, every depth is its parent's + 1, tokens are in the vocabulary, every
     /// log-probability is one (the auto policy reads them), and the tree is within the node and
@@ -465,6 +487,30 @@ mod tests {
         assert_eq!([tree.followed(&[2, 3]), tree.followed(&[7]), tree.followed(&[1, 3, 5, 9])], [1, 0, 3]);
         assert_eq!([tree.followed(&[1, 4]), tree.followed(&[])], [2, 0]);
         assert_eq!(tree.descend(&[7]), None);
+    }
+
+    #[test]
+    fn nodes_past_the_end_of_the_generation_are_cut() {
+        // root ─ a(1) ─ eos(2) ─ c(3)
+        //      │      └ d(4) ─ e(5)
+        //      └ eos(2) ─ f(6)
+        let mut tree = Tree::default();
+        let a = tree.push(1, -1, -0.1);
+        let end = tree.push(2, a, -0.2);
+        let other_end = tree.push(2, -1, -0.5);
+        let d = tree.push(4, a, -0.7);
+        tree.push(3, end, -0.8);
+        tree.push(6, other_end, -0.9);
+        tree.push(5, d, -1.0);
+        let is_end = |t: TokenId| t == 2;
+        // An end token is kept (committing it ends the generation), nothing below it.
+        let cut = tree.clone().committable(16, is_end);
+        assert_eq!(shape(&cut), vec![(1, 1, -1), (2, 2, 0), (2, 1, -1), (4, 2, 0), (5, 3, 3)]);
+        assert_eq!(cut.log_probs, vec![-0.1, -0.2, -0.5, -0.7, -1.0]);
+        // A length limit cuts by depth; with none reached and no end token the tree is unchanged.
+        assert_eq!(shape(&tree.clone().committable(1, is_end)), vec![(1, 1, -1), (2, 1, -1)]);
+        assert!(tree.clone().committable(0, is_end).is_empty());
+        assert_eq!(tree.clone().committable(3, |_| false), tree);
     }
 
     #[test]
