@@ -237,16 +237,17 @@ impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
             || self.prompt_len + total > self.limit
     }
 
-    /// What of a tree a round could still commit once `pending` more tokens are committed: the
-    /// depth the length and context limits leave (a round commits its accepted path and the
-    /// bonus token, so a node deeper than the tokens left minus one adds nothing), and the tokens
-    /// that end the generation.
-    fn room(&self, pending: usize) -> Room<'a> {
-        let committed = self.tokens.len() + pending;
+    /// What of a tree a round could still commit: the depth the length and context limits leave
+    /// (a round commits its accepted path and the bonus token, so a node deeper than the tokens
+    /// left minus one adds nothing), and the tokens that end the generation. At least the first
+    /// level: a round at the very last token still verifies the root's children, so every tree
+    /// that arrives is verified (or declined by auto) and counted as a round.
+    fn room(&self) -> Room<'a> {
+        let committed = self.tokens.len();
         let by_length = self.params.max_new_tokens.saturating_sub(committed);
         // `commit` ends the generation once the cache would hold `limit` positions.
         let by_context = (self.limit + 1).saturating_sub(self.prompt_len + committed);
-        Room { depth: by_length.min(by_context).saturating_sub(1), ends: self.params.eos_token_ids }
+        Room { depth: by_length.min(by_context).saturating_sub(1).max(1), ends: self.params.eos_token_ids }
     }
 
     /// Commits one token (with its log-probability when asked for) with the autoregressive
@@ -360,7 +361,7 @@ pub fn speculative_generate(
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!(target: ROUND_SPANS, "round", position = start).entered();
-        let room = committer.room(0);
+        let room = committer.room();
         // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
         let ask = Ask { history: &history, root, start, root_entropy };
         let mut greedy = drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
@@ -785,9 +786,6 @@ impl Lookup {
     ) -> Option<(usize, Tree)> {
         let (ngram, tree) = self.find(history, root)?;
         let mut tree = room.cut(tree);
-        if tree.is_empty() {
-            return None;
-        }
         tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
         (!tree.is_empty()).then_some((ngram, tree))
     }
@@ -864,7 +862,7 @@ enum Source {
 /// committed past that root: the subtree below the path that the generation could still commit
 /// (`room`), cut by the auto policy to the nodes that pay, with the prompt-lookup tree
 /// `looked_up` found at the current root (auto only) grafted on. `None`: nothing (the steps left
-/// the tree or passed its depth, no room is left, or the policy declined). A tree the steps left
+/// the tree or passed its depth, or the policy declined). A tree the steps left
 /// still tells the policy how much of it held.
 fn to_verify(
     tree: Tree,
@@ -883,8 +881,6 @@ fn to_verify(
         (Some(tree), Some(p)) => {
             let tree = room.cut(tree);
             match looked_up {
-                // Only the final token is left: there is nothing to choose from.
-                _ if tree.is_empty() => return None,
                 Some((ngram, looked_up)) => {
                     let (union, grafted) = p.choose_grafted(&tree, ngram, &room.cut(looked_up));
                     (union, Source::Grafted(grafted))
