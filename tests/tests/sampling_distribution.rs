@@ -323,8 +323,16 @@ fn speculative_fits(drafter: Drafter, block: u64) {
     let (counts, tau) = speculative_samples(&model, &inputs, block, make);
     let p_value = verdict(&format!("speculative, {drafter:?} (tau {tau:.2})"), &counts, &p);
     assert!(p_value >= ALPHA, "{drafter:?}: speculative sampling does not fit the target's distribution");
-    if !matches!(drafter, Drafter::Random) {
-        assert!(tau > 1.5, "{drafter:?}: the tree was hardly accepted (tau {tau})");
+    // Three tokens: the prefill draws the first, so a round can commit at most two (a node at depth
+    // 1 and the bonus) and verifies nothing deeper. The oracle-like tree offers every token top-k
+    // sampling can draw there (tau 2); the chain only the likeliest, drawn about half the time.
+    let least = match drafter {
+        Drafter::OracleTree => Some(1.9),
+        Drafter::OracleChain => Some(1.4),
+        Drafter::Random => None,
+    };
+    if let Some(least) = least {
+        assert!(tau > least, "{drafter:?}: the tree was hardly accepted (tau {tau})");
     }
 }
 
