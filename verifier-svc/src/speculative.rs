@@ -230,11 +230,17 @@ impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
     /// client (end of sequence, the token limit, the context): [`Committer::commit`]'s own, ahead
     /// of it.
     fn surely_ends(&self, tokens: &[i64]) -> bool {
-        let total = self.tokens.len() + tokens.len();
-        tokens.iter().any(|t| self.params.eos_token_ids.contains(t))
-            || total >= self.params.max_new_tokens
-            // The cache would then hold the prompt and all but the last token (see `commit`).
-            || self.prompt_len + total > self.limit
+        tokens.iter().any(|t| self.params.eos_token_ids.contains(t)) || tokens.len() >= self.tokens_left()
+    }
+
+    /// Tokens [`Committer::commit`] takes before the length or the context limit ends the
+    /// generation (the last of them ends it).
+    fn tokens_left(&self) -> usize {
+        let committed = self.tokens.len();
+        let by_length = self.params.max_new_tokens.saturating_sub(committed);
+        // The cache then holds the prompt and all but the last token, at most `limit` positions.
+        let by_context = (self.limit + 1).saturating_sub(self.prompt_len + committed);
+        by_length.min(by_context)
     }
 
     /// What of a tree a round could still commit: the depth the length and context limits leave
@@ -243,11 +249,7 @@ impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
     /// level: a round at the very last token still verifies the root's children, so every tree
     /// that arrives is verified (or declined by auto) and counted as a round.
     fn room(&self) -> Room<'a> {
-        let committed = self.tokens.len();
-        let by_length = self.params.max_new_tokens.saturating_sub(committed);
-        // `commit` ends the generation once the cache would hold `limit` positions.
-        let by_context = (self.limit + 1).saturating_sub(self.prompt_len + committed);
-        Room { depth: by_length.min(by_context).saturating_sub(1).max(1), ends: self.params.eos_token_ids }
+        Room { depth: self.tokens_left().saturating_sub(1).max(1), ends: self.params.eos_token_ids }
     }
 
     /// Commits one token (with its log-probability when asked for) with the autoregressive
