@@ -246,9 +246,10 @@ impl Session for BlockHeadSession {
             )
             .map_err(|e| DraftError::Internal(e.to_string()))?;
         self.last_pass.record();
-        let mut tree = build_budget_tree(&marginals, round.budget.min(MAX_TREE_NODES), round.branch_k);
+        let budget = round.budget.min(MAX_TREE_NODES);
+        let mut tree = build_budget_tree(&marginals, budget, round.branch_k, &round.reach);
         if round.spine {
-            extend_spine(&mut tree, &marginals);
+            extend_spine(&mut tree, &marginals, &round.reach);
         }
         Ok(tree)
     }
@@ -364,7 +365,10 @@ impl Session for Eagle3Session {
             expansions: self.expansions,
             budget: round.budget.min(MAX_TREE_NODES),
         };
-        self.head.0.grow_tree(&mut self.cache, last, round.root_position, shape).map_err(internal)
+        // Drafted pass by pass, the tree is cut to the reach afterwards.
+        let tree =
+            self.head.0.grow_tree(&mut self.cache, last, round.root_position, shape).map_err(internal)?;
+        Ok(tree.within(&round.reach))
     }
 }
 

@@ -346,6 +346,7 @@ fn handle(
         budget: round.tree_budget.max(1) as usize,
         branch_k: round.branch_k.max(1) as usize,
         spine: round.spine,
+        reach: codec::round_reach(&round),
     };
     let tree = session.draft(&input).map_err(status_of)?;
     Ok(Some(codec::tree_response(tree, started.elapsed().as_secs_f64() * 1e3)))
@@ -448,6 +449,8 @@ mod fuzz {
             tree_budget: budget,
             branch_k: k,
             spine: false,
+            end_tokens: Vec::new(),
+            max_depth: 0,
         });
         pb::DraftRequest { context: Some(pb::ContextRows { first_position, tokens, states }), round }
     }

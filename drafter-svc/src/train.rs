@@ -25,7 +25,7 @@ use glance_models::decode::{
 use glance_models::weights::Checkpoint;
 use glance_models::LogitRows;
 use glance_models::TargetModel;
-use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
+use glance_spec::tree::{build_budget_tree, Marginals, Reach, TokenId, Tree};
 use glance_train::rng::Rng;
 use glance_train::save::{self, SaveError};
 use glance_train::{cosine_lr, cross_entropy, AdamW};
@@ -745,7 +745,8 @@ pub fn acceptance(head: &DraftHead, rows: &[Row]) -> Acceptance {
                     .collect();
                 let Ok(marginals) = Marginals::top_k(&logits.get(i as i64), 8) else { continue };
                 chain += marginals.ids.iter().zip(&truth).take_while(|(top, t)| top[0] == **t).count() + 1;
-                tree += accepted_in_tree(&build_budget_tree(&marginals, 31, 8), &truth) + 1;
+                tree +=
+                    accepted_in_tree(&build_budget_tree(&marginals, 31, 8, &Reach::unbounded()), &truth) + 1;
                 anchors += 1;
             }
         }

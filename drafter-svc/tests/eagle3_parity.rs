@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use drafter_svc::eagle3::Eagle3Head;
 use drafter_svc::engines::Eagle3Engine;
 use glance_spec::session::{DraftEngine, RoundInput};
-use glance_spec::tree::{TokenId, Tree};
+use glance_spec::tree::{Reach, TokenId, Tree};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
@@ -160,6 +160,7 @@ fn the_session_grows_eagle_trees_over_its_context() {
             budget: reference.setting("budget"),
             branch_k: reference.setting("top_k"),
             spine: false,
+            reach: Reach::unbounded(),
         };
         let tree = session.draft(&round).expect("a tree");
         let limits =

@@ -13,6 +13,7 @@ use drafter_svc::train::{block_loss, row_for, train, DataSource, LossVocab, Row,
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::weights::Checkpoint;
 use glance_models::TargetModel;
+use glance_spec::tree::Reach;
 use glance_train::AdamW;
 use tch::{Device, Kind, Tensor};
 
@@ -129,22 +130,36 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     let acceptance = train(&config, |_| {}).unwrap();
     assert!(acceptance.anchors > 0 && acceptance.chain_tau >= 1.0);
     // The output is a DFlash-layout head the service loads unchanged.
-    let tree = served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::Cold);
+    let tree = served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::Cold, &Reach::unbounded());
     assert_eq!(tree.len(), 15);
     // A session warmed when it opens (drafter-svc does so when the head sat idle) drafts the same.
-    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::Warmed), tree);
+    assert_eq!(
+        served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::Warmed, &Reach::unbounded()),
+        tree
+    );
     // Its context in two messages, the first taken in ahead (drafter-svc does so for a
     // context-only message): the same tree.
-    assert_eq!(served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::ContextInTwo), tree);
+    assert_eq!(
+        served_tree(&out, &dir, DraftVocabChoice::All, false, Opening::ContextInTwo, &Reach::unbounded()),
+        tree
+    );
     // Asked for its spine (as auto asks), the same tree with the top token of every offset down
     // to the block's last appended below it.
-    let spined = served_tree(&out, &dir, DraftVocabChoice::All, true, Opening::Cold);
+    let spined = served_tree(&out, &dir, DraftVocabChoice::All, true, Opening::Cold, &Reach::unbounded());
     let mut head_of_it = spined.clone();
     head_of_it.truncate(15);
     assert_eq!(head_of_it, tree);
     assert_eq!(spined.depths.iter().max(), Some(&15), "{spined:?}");
     let limits = glance_spec::tree::TreeLimits { vocab: 1 << 20, max_nodes: 30, max_depth: 15 };
     assert_eq!(spined.validate(limits), Ok(()));
+    // Told that its likeliest first token ends the generation and that a round can commit three
+    // tokens deep at most, the head spends the whole budget on nodes within that reach, its spine
+    // included (the spine above ran 15 deep).
+    let reach = Reach { max_depth: 3, ends: vec![tree.tokens[0]] };
+    let reached = served_tree(&out, &dir, DraftVocabChoice::All, true, Opening::Cold, &reach);
+    assert!(reached.len() >= 15, "{reached:?}");
+    assert!(reached.depths.iter().all(|&d| d <= 3), "{reached:?}");
+    assert_eq!(reached.clone().within(&reach), reached, "nothing below an end token");
 
     // Beside it, the training responses' tokens ranked by frequency; served with --draft-vocab 6
     // the head drafts only the six most frequent, and by default (auto) only the file's tokens.
@@ -153,7 +168,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
     for (choice, allowed) in
         [(DraftVocabChoice::Top(6), ranked.top(6)), (DraftVocabChoice::Auto, &ranked.ranked[..])]
     {
-        let tree = served_tree(&out, &dir, choice, false, Opening::Cold);
+        let tree = served_tree(&out, &dir, choice, false, Opening::Cold, &Reach::unbounded());
         assert_eq!(tree.len(), 15);
         let allowed: Vec<u32> = allowed.iter().map(|&t| t as u32).collect();
         assert!(
@@ -175,13 +190,15 @@ enum Opening {
 }
 
 /// A budget-15 tree from `head` as drafter-svc's engine serves it (`draft_vocab` as its flag),
-/// with its spine to the block's last offset if `spine`, from a session opened as `opening` says.
+/// with its spine to the block's last offset if `spine`, from a session opened as `opening` says,
+/// within `reach`.
 fn served_tree(
     head: &std::path::Path,
     target: &std::path::Path,
     draft_vocab: DraftVocabChoice,
     spine: bool,
     opening: Opening,
+    reach: &Reach,
 ) -> glance_spec::tree::Tree {
     use drafter_svc::engines::BlockHeadEngine;
     use glance_spec::session::{DraftEngine, RoundInput};
@@ -200,7 +217,16 @@ fn served_tree(
             session.append_context(3, &[4, 5], Some(states(2))).unwrap();
         }
     }
-    session.draft(&RoundInput { root_token: 7, root_position: 5, budget: 15, branch_k: 4, spine }).unwrap()
+    session
+        .draft(&RoundInput {
+            root_token: 7,
+            root_position: 5,
+            budget: 15,
+            branch_k: 4,
+            spine,
+            reach: reach.clone(),
+        })
+        .unwrap()
 }
 
 /// A draft vocabulary changes only which tokens are scored: the marginals are the full pass's

@@ -314,7 +314,7 @@ fn session_messages(width: u64, first: u64, rows: u64) -> dpb::DraftRequest {
             root_position: first + rows,
             tree_budget: 7,
             branch_k: 2,
-            spine: false,
+            ..Default::default()
         }),
     }
 }

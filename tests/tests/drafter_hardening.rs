@@ -53,7 +53,7 @@ fn context(first: u64, tokens: Vec<u32>, states: Option<pb::TensorData>) -> pb::
 }
 
 fn round(root_token: u32, root_position: u64) -> pb::RoundRequest {
-    pb::RoundRequest { root_token, root_position, tree_budget: 15, branch_k: 4, spine: false }
+    pb::RoundRequest { root_token, root_position, tree_budget: 15, branch_k: 4, ..Default::default() }
 }
 
 /// Sends `messages` on a fresh stream, closes it, and collects the replies up to the stream's end:

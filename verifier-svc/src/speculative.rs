@@ -48,6 +48,10 @@ pub struct DraftRound<'a> {
     pub branch_k: usize,
     /// Also the tree's spine to the block's last offset (auto: its policy picks the nodes).
     pub spine: bool,
+    /// The deepest node the round could commit and the tokens that end the generation: the
+    /// drafter spends no budget past them.
+    pub max_depth: usize,
+    pub ends: &'a [i64],
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -249,7 +253,14 @@ impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
     /// level: a round at the very last token still verifies the root's children, so every tree
     /// that arrives is verified (or declined by auto) and counted as a round.
     fn room(&self) -> Room<'a> {
-        Room { depth: self.tokens_left().saturating_sub(1).max(1), ends: self.params.eos_token_ids }
+        self.room_after(0)
+    }
+
+    /// [`Committer::room`] once `pending` more tokens are committed (a round is asked for before
+    /// the last round's tokens are).
+    fn room_after(&self, pending: usize) -> Room<'a> {
+        let left = self.tokens_left().saturating_sub(pending);
+        Room { depth: left.saturating_sub(1).max(1), ends: self.params.eos_token_ids }
     }
 
     /// Commits one token (with its log-probability when asked for) with the autoregressive
@@ -365,7 +376,7 @@ pub fn speculative_generate(
         let _round = tracing::info_span!(target: ROUND_SPANS, "round", position = start).entered();
         let room = committer.room();
         // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
-        let ask = Ask { history: &history, root, start, root_entropy };
+        let ask = Ask { history: &history, root, start, root_entropy, room };
         let mut greedy = drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         let mut round = None;
         if let (Some(flight), Some(s)) = (drafting.in_flight.as_ref(), drafting.session.as_mut()) {
@@ -488,7 +499,8 @@ pub fn speculative_generate(
         // stop strings, the stream), so the drafter starts on it that much earlier. Unless this
         // round certainly ends the generation; a stop string found below wastes only the draft.
         if !committer.surely_ends(&committed[1..]) {
-            let ask = Ask { history: &history, root, start: cache.len(), root_entropy };
+            let room = committer.room_after(new_positions);
+            let ask = Ask { history: &history, root, start: cache.len(), root_entropy, room };
             drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         }
         let _commit = tracing::info_span!(target: ROUND_SPANS, "commit", tokens = new_positions).entered();
@@ -643,6 +655,7 @@ fn send_round(
     start: usize,
     spec: SpecParams,
     spine: bool,
+    room: Room,
 ) -> Result<(), DraftFailure> {
     let from = session.context_len();
     let states = history.states_from(from);
@@ -655,6 +668,8 @@ fn send_round(
         budget: spec.budget,
         branch_k: spec.branch_k,
         spine,
+        max_depth: room.depth,
+        ends: room.ends,
     };
     let _span =
         tracing::info_span!(target: ROUND_SPANS, "draft", context_rows = history.len - from, budget = spec.budget).entered();
@@ -686,6 +701,7 @@ struct Ask<'a> {
     root: i64,
     start: usize,
     root_entropy: Option<f64>,
+    room: Room<'a>,
 }
 
 impl Drafting {
@@ -712,7 +728,7 @@ impl Drafting {
             (None, Some(s)) => {
                 let rows = ask.history.len - s.context_len();
                 if policy.is_none_or(|p| p.should_draft(ask.root_entropy, max_depth, rows)) {
-                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec, spine) {
+                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec, spine, ask.room) {
                         Ok(()) => {
                             let sent = Instant::now();
                             self.in_flight = Some(InFlight {
@@ -874,22 +890,21 @@ fn to_verify(
     looked_up: Option<(usize, Tree)>,
 ) -> Option<(Tree, Source)> {
     let followed = tree.followed(stepped.path);
-    let (tree, source) = match (tree.descend(stepped.path).filter(|t| !t.is_empty()), policy) {
+    // The cut keeps the first level, so a subtree that is left stays non-empty.
+    let below = tree.descend(stepped.path).filter(|t| !t.is_empty()).map(|t| room.cut(t));
+    let (tree, source) = match (below, policy) {
         (None, Some(p)) => {
             p.observe_stale_tree(followed, stepped.root_entropy, stepped.horizon);
             return None;
         }
-        (tree, None) => (room.cut(tree?), Source::Drafter),
-        (Some(tree), Some(p)) => {
-            let tree = room.cut(tree);
-            match looked_up {
-                Some((ngram, looked_up)) => {
-                    let (union, grafted) = p.choose_grafted(&tree, ngram, &room.cut(looked_up));
-                    (union, Source::Grafted(grafted))
-                }
-                None => (tree.select(&p.choose_nodes(&tree)), Source::Drafter),
+        (tree, None) => (tree?, Source::Drafter),
+        (Some(tree), Some(p)) => match looked_up {
+            Some((ngram, looked_up)) => {
+                let (union, grafted) = p.choose_grafted(&tree, ngram, &room.cut(looked_up));
+                (union, Source::Grafted(grafted))
             }
-        }
+            None => (tree.select(&p.choose_nodes(&tree)), Source::Drafter),
+        },
     };
     (!tree.is_empty()).then_some((tree, source))
 }

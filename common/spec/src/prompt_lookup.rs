@@ -248,7 +248,7 @@ impl Session for PromptLookupSession {
     fn draft(&mut self, round: &RoundInput) -> Result<Tree, DraftError> {
         check_root_at(self.indexed.len(), round)?;
         let found = self.lookup.find_after(&mut self.indexed, round.root_token);
-        let mut tree = found.map(|(_, tree)| tree).unwrap_or_default();
+        let mut tree = found.map(|(_, tree)| tree.within(&round.reach)).unwrap_or_default();
         tree.truncate(round.budget);
         Ok(tree)
     }
@@ -257,6 +257,7 @@ impl Session for PromptLookupSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tree::Reach;
 
     #[test]
     fn proposes_what_followed_the_longest_suffix() {
@@ -361,8 +362,18 @@ mod tests {
         let engine = PromptLookupEngine::new(16, 100);
         let mut session = engine.new_session();
         session.append_context(0, &[1, 2, 3, 4, 5, 1, 2], None).unwrap();
-        let round = RoundInput { root_token: 3, root_position: 7, budget: 2, branch_k: 1, spine: false };
+        let round = RoundInput {
+            root_token: 3,
+            root_position: 7,
+            budget: 2,
+            branch_k: 1,
+            spine: false,
+            reach: Reach::unbounded(),
+        };
         assert_eq!(session.draft(&round).unwrap().tokens, vec![4, 5]);
+        // 4 ends the generation: nothing after it.
+        let ending = RoundInput { reach: Reach { max_depth: usize::MAX, ends: vec![4] }, ..round.clone() };
+        assert_eq!(session.draft(&ending).unwrap().tokens, vec![4]);
         let late = RoundInput { root_position: 9, ..round };
         assert!(matches!(session.draft(&late), Err(DraftError::RootPosition { .. })));
         assert!(matches!(session.append_context(3, &[1], None), Err(DraftError::ContextGap { .. })));

@@ -5,7 +5,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::tree::{TokenId, Tree};
+use crate::tree::{Reach, TokenId, Tree};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DraftError {
@@ -76,7 +76,7 @@ impl Handshake {
 pub const MAX_TREE_NODES: usize = 1024;
 
 /// What a round asks for.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct RoundInput {
     pub root_token: TokenId,
     pub root_position: usize,
@@ -86,6 +86,9 @@ pub struct RoundInput {
     /// auto policy, which picks the nodes to verify itself. Engines whose trees are not drawn
     /// from per-offset marginals (EAGLE-3, prompt lookup) ignore it.
     pub spine: bool,
+    /// How far the round could still commit: the block head builds its tree within it, EAGLE-3
+    /// and prompt lookup cut theirs to it (and the verifier cuts every tree it receives).
+    pub reach: Reach,
 }
 
 /// Shared by all sessions of one drafter process.

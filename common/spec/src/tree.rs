@@ -48,6 +48,38 @@ pub struct Tree {
     pub log_probs: Vec<f64>,
 }
 
+/// How far a round could still commit, as the verifier tells the drafter: nothing below a token
+/// that ends the generation, nothing deeper than `max_depth`. A drafter that knows it spends its
+/// budget on nodes that can be committed; the verifier cuts what arrives the same way
+/// ([`Tree::committable`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reach {
+    pub max_depth: usize,
+    pub ends: Vec<TokenId>,
+}
+
+impl Default for Reach {
+    fn default() -> Self {
+        Self::unbounded()
+    }
+}
+
+impl Reach {
+    /// No limit but the block's.
+    pub fn unbounded() -> Self {
+        Self { max_depth: usize::MAX, ends: Vec::new() }
+    }
+
+    fn ends(&self, token: TokenId) -> bool {
+        self.ends.contains(&token)
+    }
+
+    /// Whether a node at `depth` holding `token` may have children worth drafting.
+    fn extends(&self, depth: usize, token: TokenId) -> bool {
+        depth < self.max_depth && !self.ends(token)
+    }
+}
+
 /// What a received tree must stay within.
 #[derive(Clone, Copy, Debug)]
 pub struct TreeLimits {
@@ -129,6 +161,11 @@ impl Tree {
         } else {
             self.select(&keep)
         }
+    }
+
+    /// [`Tree::committable`] within `reach`.
+    pub fn within(self, reach: &Reach) -> Tree {
+        self.committable(reach.max_depth, |token| reach.ends(token))
     }
 
     /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
@@ -405,9 +442,11 @@ impl Ord for Candidate {
 /// GLANCE's `build_budget_tree`: best-first expansion on cumulative log-probability, keeping at
 /// most `budget` nodes, each node offering `branch_k` children (clamped to the narrowest row).
 /// Cumulative sums are f64 from the f32 log-probabilities, as the Python floats are. Nodes come
-/// in pop order: parents before children. The caller bounds `budget`.
-pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize) -> Tree {
-    let depth_max = marginals.depth();
+/// in pop order: parents before children. The caller bounds `budget`. Within `reach` (GLANCE's
+/// tree when unbounded): a node that ends the generation or sits at the deepest committable
+/// depth offers no children, so the budget goes to nodes a round could commit.
+pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize, reach: &Reach) -> Tree {
+    let depth_max = marginals.depth().min(reach.max_depth);
     let k = branch_k.min(marginals.width());
     let mut heap = BinaryHeap::new();
     let mut order = 0u64;
@@ -423,8 +462,9 @@ pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize) 
     let mut tree = Tree::default();
     while tree.len() < budget {
         let Some(best) = heap.pop() else { break };
-        let here = tree.push(marginals.ids[best.depth - 1][best.rank], best.parent, -best.neg_cum);
-        if best.depth < depth_max {
+        let token = marginals.ids[best.depth - 1][best.rank];
+        let here = tree.push(token, best.parent, -best.neg_cum);
+        if best.depth < depth_max && reach.extends(best.depth, token) {
             for r in 0..k {
                 push(&mut heap, best.neg_cum - marginals.log_prob(best.depth, r), best.depth + 1, here, r);
             }
@@ -438,21 +478,24 @@ pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize) 
 /// best-first tree ends its spine where a sibling's path outscores it, though the head may be
 /// right far deeper than its marginals claim (on the toy world's charts it is); the auto policy,
 /// which chooses the nodes to verify from its own calibration, is offered the whole spine.
-/// Stops at an offset whose top token has no finite log-probability.
-pub fn extend_spine(tree: &mut Tree, marginals: &Marginals) {
+/// Stops at an offset whose top token has no finite log-probability, and where `reach` ends.
+pub fn extend_spine(tree: &mut Tree, marginals: &Marginals, reach: &Reach) {
     let mut tip: i32 = -1;
     for depth in 0..marginals.depth() {
         let Some(&token) = marginals.ids[depth].first() else { return };
         if let Some(child) = tree.child(tip, token) {
             tip = child as i32;
-            continue;
+        } else {
+            let log_prob =
+                tree.log_probs.get(tip as usize).copied().unwrap_or(0.0) + marginals.log_prob(depth, 0);
+            if !log_prob.is_finite() {
+                return;
+            }
+            tip = tree.push(token, tip, log_prob);
         }
-        let log_prob =
-            tree.log_probs.get(tip as usize).copied().unwrap_or(0.0) + marginals.log_prob(depth, 0);
-        if !log_prob.is_finite() {
+        if !reach.extends(depth + 1, token) {
             return;
         }
-        tip = tree.push(token, tip, log_prob);
     }
 }
 
@@ -549,6 +592,7 @@ mod tests {
     }
 
     const LIMITS: TreeLimits = TreeLimits { vocab: 10, max_nodes: 8, max_depth: 8 };
+    const ALL: Reach = Reach { max_depth: usize::MAX, ends: Vec::new() };
 
     #[test]
     fn best_first_and_prefix_closed() {
@@ -556,15 +600,15 @@ mod tests {
             vec![vec![10, 11], vec![20, 21], vec![30, 31]],
             vec![vec![-0.1, -2.0], vec![-0.5, -0.7], vec![-3.0, -4.0]],
         );
-        let tree = build_budget_tree(&m, 4, 2);
+        let tree = build_budget_tree(&m, 4, 2, &ALL);
         // 10 (-0.1), 10>20 (-0.6), 10>21 (-0.8), 11 (-2.0)
         assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0), (21, 2, 0), (11, 1, -1)]);
         assert!((tree.log_probs[1] - (-0.1f32 as f64 + -0.5f32 as f64)).abs() < 1e-12);
         assert_eq!(tree.validate(TreeLimits { vocab: 100, max_nodes: 64, max_depth: 15 }), Ok(()));
         // Budget beyond the whole tree: all 2 + 4 + 8 nodes.
-        assert_eq!(build_budget_tree(&m, 100, 2).len(), 14);
-        assert!(build_budget_tree(&m, 10, 0).is_empty());
-        assert!(build_budget_tree(&Marginals::default(), 10, 8).is_empty());
+        assert_eq!(build_budget_tree(&m, 100, 2, &ALL).len(), 14);
+        assert!(build_budget_tree(&m, 10, 0, &ALL).is_empty());
+        assert!(build_budget_tree(&Marginals::default(), 10, 8, &ALL).is_empty());
     }
 
     #[test]
@@ -574,26 +618,26 @@ mod tests {
             vec![vec![10, 11], vec![20, 21], vec![30, 31]],
             vec![vec![-0.1, -0.3], vec![-2.0, -2.5], vec![-0.2, -4.0]],
         );
-        let mut tree = build_budget_tree(&m, 2, 2);
+        let mut tree = build_budget_tree(&m, 2, 2, &ALL);
         assert_eq!(shape(&tree), vec![(10, 1, -1), (11, 1, -1)]);
-        extend_spine(&mut tree, &m);
+        extend_spine(&mut tree, &m, &ALL);
         assert_eq!(shape(&tree), vec![(10, 1, -1), (11, 1, -1), (20, 2, 0), (30, 3, 2)]);
         assert!((tree.log_probs[3] - (-0.1f32 as f64 + -2.0f32 as f64 + -0.2f32 as f64)).abs() < 1e-12);
         assert_eq!(tree.validate(TreeLimits { vocab: 100, ..LIMITS }), Ok(()));
         // A tree that holds its whole spine already is left as it is.
-        let whole = build_budget_tree(&m, 14, 2);
+        let whole = build_budget_tree(&m, 14, 2, &ALL);
         let mut extended = whole.clone();
-        extend_spine(&mut extended, &m);
+        extend_spine(&mut extended, &m, &ALL);
         assert_eq!(extended, whole);
         // A top token of probability 0 ends the spine (the verifier refuses infinite scores).
-        let mut tree = build_budget_tree(&m, 1, 2);
+        let mut tree = build_budget_tree(&m, 1, 2, &ALL);
         let dead =
             marginals(m.ids.clone(), vec![vec![-0.1, -0.3], vec![f32::NEG_INFINITY, -2.5], vec![-0.2, -4.0]]);
-        extend_spine(&mut tree, &dead);
+        extend_spine(&mut tree, &dead, &ALL);
         assert_eq!(tree.len(), 1);
 
-        let mut tree = build_budget_tree(&m, 2, 2);
-        extend_spine(&mut tree, &m);
+        let mut tree = build_budget_tree(&m, 2, 2, &ALL);
+        extend_spine(&mut tree, &m, &ALL);
         let kept = tree.select(&[0, 2, 3]);
         assert_eq!(shape(&kept), vec![(10, 1, -1), (20, 2, 0), (30, 3, 1)]);
         assert_eq!(kept.validate(TreeLimits { vocab: 100, ..LIMITS }), Ok(()));
@@ -601,11 +645,40 @@ mod tests {
     }
 
     #[test]
+    fn the_budget_goes_to_nodes_within_reach() {
+        // Unbounded: 10 (-0.1), 10>20 (-0.2), 10>20>30 (-0.3), 11 (-1.0).
+        let m = marginals(
+            vec![vec![10, 11], vec![20, 21], vec![30, 31]],
+            vec![vec![-0.1, -1.0], vec![-0.1, -2.0], vec![-0.1, -3.0]],
+        );
+        let tree = build_budget_tree(&m, 4, 2, &ALL);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0), (30, 3, 1), (11, 1, -1)]);
+        // 20 ends the generation: nothing below it, the budget goes to 11's child and 21.
+        let ends = Reach { max_depth: usize::MAX, ends: vec![20] };
+        let tree = build_budget_tree(&m, 4, 2, &ends);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0), (11, 1, -1), (20, 2, 2)]);
+        // Two tokens deep at most.
+        let shallow = Reach { max_depth: 2, ends: Vec::new() };
+        let tree = build_budget_tree(&m, 4, 2, &shallow);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0), (11, 1, -1), (20, 2, 2)]);
+        // The spine stops at an end token (kept) and at the reach's depth.
+        let mut tree = build_budget_tree(&m, 1, 2, &ends);
+        extend_spine(&mut tree, &m, &ends);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0)]);
+        let mut tree = build_budget_tree(&m, 1, 2, &shallow);
+        extend_spine(&mut tree, &m, &shallow);
+        assert_eq!(shape(&tree), vec![(10, 1, -1), (20, 2, 0)]);
+        // A tree drafted blind to the reach loses what lies past it.
+        let blind = build_budget_tree(&m, 4, 2, &ALL).within(&ends);
+        assert_eq!(shape(&blind), vec![(10, 1, -1), (20, 2, 0), (11, 1, -1)]);
+    }
+
+    #[test]
     fn signed_zeros_tie_like_python() {
         // The sibling's key is -(-0.0) = +0.0, the child's -0.0 - 0.0 = -0.0. Python sees equal
         // keys and lets the smaller depth win; a total float order would pick the child.
         let m = marginals(vec![vec![1, 2], vec![3, 4]], vec![vec![0.0, -0.0], vec![0.0, -1.0]]);
-        let tree = build_budget_tree(&m, 3, 2);
+        let tree = build_budget_tree(&m, 3, 2, &ALL);
         assert_eq!(shape(&tree), vec![(1, 1, -1), (2, 1, -1), (3, 2, 0)]);
     }
 

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use glance_spec::tree::{build_budget_tree, Marginals, TokenId, TreeLimits};
+use glance_spec::tree::{build_budget_tree, Marginals, Reach, TokenId, TreeLimits};
 use serde_json::Value;
 
 fn fixture() -> Value {
@@ -40,7 +40,7 @@ fn budget_trees_match_the_python_heap() {
         let budget = case["budget"].as_u64().expect("budget") as usize;
         let branch_k = case["branch_k"].as_u64().expect("branch_k") as usize;
         let marginals = Marginals { ids, log_probs: logp };
-        let tree = build_budget_tree(&marginals, budget, branch_k);
+        let tree = build_budget_tree(&marginals, budget, branch_k, &Reach::unbounded());
 
         let expected = case["expected"].as_array().expect("expected");
         assert_eq!(tree.len(), expected.len(), "{name}: node count");

@@ -3,7 +3,7 @@
 //! of `glance-spec` (the tree, the handshake).
 
 use glance_spec::session::{DrafterKind, Handshake};
-use glance_spec::tree::Tree;
+use glance_spec::tree::{Reach, Tree};
 use tch::{Kind, Tensor};
 
 use glance_proto::drafter::v1 as pb;
@@ -114,6 +114,17 @@ pub fn response_tree(response: pb::DraftResponse) -> Tree {
     }
 }
 
+/// A round request's reach ([`Reach`]); a `max_depth` of 0 is no limit but the block's.
+pub fn round_reach(round: &pb::RoundRequest) -> Reach {
+    let max_depth = if round.max_depth == 0 { usize::MAX } else { round.max_depth as usize };
+    Reach { max_depth, ends: round.end_tokens.clone() }
+}
+
+/// A reach's depth as a round request carries it (beyond the wire's range: no limit, 0).
+pub fn wire_max_depth(max_depth: usize) -> u32 {
+    u32::try_from(max_depth).unwrap_or(0)
+}
+
 /// The handshake as the drafter answers it.
 pub fn handshake_response(h: Handshake) -> pb::HandshakeResponse {
     let kind = match h.kind {
@@ -179,5 +190,17 @@ mod tests {
         tree.push(7, -1, -0.5);
         tree.push(9, 0, -1.25);
         assert_eq!(response_tree(tree_response(tree.clone(), 1.0)), tree);
+    }
+
+    #[test]
+    fn a_reach_crosses_the_wire_and_an_old_verifier_sends_none() {
+        let round = |max_depth: usize, end_tokens: Vec<u32>| pb::RoundRequest {
+            max_depth: wire_max_depth(max_depth),
+            end_tokens,
+            ..Default::default()
+        };
+        assert_eq!(round_reach(&round(5, vec![2, 7])), Reach { max_depth: 5, ends: vec![2, 7] });
+        assert_eq!(round_reach(&round(usize::MAX, vec![])), Reach::unbounded());
+        assert_eq!(round_reach(&pb::RoundRequest::default()), Reach::unbounded());
     }
 }

@@ -24,7 +24,7 @@ use glance_models::sampling::Draw;
 use glance_models::weights::{Checkpoint, RandomInit};
 use glance_models::{TargetConfig, TargetModel};
 use glance_spec::session::{DraftEngine, RoundInput, Session};
-use glance_spec::tree::{build_budget_tree, Marginals, TokenId, Tree};
+use glance_spec::tree::{build_budget_tree, Marginals, Reach, TokenId, Tree};
 use glance_tests::process::ServiceProcess;
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
@@ -323,7 +323,7 @@ fn verify(
 fn random_tree(nodes: usize, vocab: i64) -> Tree {
     let logits = Tensor::randn([15, vocab], (Kind::Float, Device::Cpu)) * 3.0;
     let marginals = Marginals::top_k(&logits, 4).expect("marginals");
-    let tree = build_budget_tree(&marginals, nodes, 4);
+    let tree = build_budget_tree(&marginals, nodes, 4, &Reach::unbounded());
     assert_eq!(tree.len(), nodes, "a tree of the asked size");
     tree
 }
@@ -357,8 +357,14 @@ fn draft_pass_ms(args: &Args, model: &TargetModel, dims: &Dims, taps: &[usize]) 
         let states = Tensor::randn([rows as i64, width], (model.kind(), model.device()));
         session.append_context(position, &tokens, Some(states)).expect("append context");
         position += rows;
-        let input =
-            RoundInput { root_token: 1, root_position: position, budget: 31, branch_k: 4, spine: false };
+        let input = RoundInput {
+            root_token: 1,
+            root_position: position,
+            budget: 31,
+            branch_k: 4,
+            spine: false,
+            reach: Reach::unbounded(),
+        };
         session.draft(&input).expect("draft");
     };
     round(&mut session, args.context);
@@ -431,6 +437,8 @@ fn measure_hop(args: &Args) -> Hop {
             budget: 31,
             branch_k: 8,
             spine: false,
+            max_depth: usize::MAX,
+            ends: &[],
         };
         session.send(request).expect("send");
         let drafted = loop {
