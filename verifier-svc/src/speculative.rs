@@ -404,7 +404,7 @@ pub fn speculative_generate(
                         let path = committed_since(&history, flight.root_position, root);
                         let stepped =
                             Stepped { path: &path, root_entropy: flight.root_entropy, horizon: max_depth };
-                        let looked_up = policy.is_some().then(|| lookup.find(&history, root)).flatten();
+                        let looked_up = policy.is_some().then(|| lookup.find(&history, root, room)).flatten();
                         round = to_verify(drafted.tree, stepped, room, policy.as_deref_mut(), looked_up);
                     }
                 }
@@ -802,19 +802,20 @@ impl Lookup {
         room: Room,
         policy: &mut RoundPolicy,
     ) -> Option<(usize, Tree)> {
-        let (ngram, tree) = self.find(history, root)?;
-        let mut tree = room.cut(tree);
+        let (ngram, mut tree) = self.find(history, root, room)?;
         tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
         (!tree.is_empty()).then_some((ngram, tree))
     }
 
-    /// The n-gram length that matched and the whole lookup tree after the pending `root`.
-    fn find(&mut self, history: &History, root: i64) -> Option<(usize, Tree)> {
+    /// The n-gram length that matched and the lookup tree after the pending `root`, all of it
+    /// that a round could commit (`room`).
+    fn find(&mut self, history: &History, root: i64, room: Room) -> Option<(usize, Tree)> {
         let synced = self.indexed.len();
         for &token in &history.tokens[synced..history.len] {
             self.indexed.push(token as TokenId);
         }
-        self.lookup.find_after(&mut self.indexed, root as TokenId)
+        let (ngram, tree) = self.lookup.find_after(&mut self.indexed, root as TokenId)?;
+        Some((ngram, room.cut(tree)))
     }
 }
 
@@ -900,7 +901,7 @@ fn to_verify(
         (tree, None) => (tree?, Source::Drafter),
         (Some(tree), Some(p)) => match looked_up {
             Some((ngram, looked_up)) => {
-                let (union, grafted) = p.choose_grafted(&tree, ngram, &room.cut(looked_up));
+                let (union, grafted) = p.choose_grafted(&tree, ngram, &looked_up);
                 (union, Source::Grafted(grafted))
             }
             None => (tree.select(&p.choose_nodes(&tree)), Source::Drafter),
