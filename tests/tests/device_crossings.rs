@@ -22,7 +22,6 @@ use glance_models::decode::{greedy_generate, GreedyParams, StepControl};
 use glance_models::sampling::Sampling;
 use glance_models::TargetModel;
 use glance_spec::session::{DraftEngine, RoundInput, Session};
-use glance_spec::tree::Reach;
 use glance_toyworld::{sample, Split, Task};
 use tch::Kind;
 use verifier_svc::speculative::{
@@ -99,7 +98,7 @@ impl DraftSession for WireSession {
             budget: round.budget,
             branch_k: round.branch_k,
             spine: round.spine,
-            reach: Reach { max_depth: round.max_depth, ends: round.ends.iter().map(|&t| t as u32).collect() },
+            reach: round.reach.clone(),
         };
         let tree = self.session.draft(&input).unwrap();
         let mut counts = self.counts.borrow_mut();

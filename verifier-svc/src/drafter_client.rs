@@ -766,8 +766,8 @@ impl DraftSession for RemoteSession {
                 tree_budget: round.budget as u32,
                 branch_k: round.branch_k as u32,
                 spine: round.spine,
-                end_tokens: round.ends.iter().map(|&t| t as u32).collect(),
-                max_depth: codec::wire_max_depth(round.max_depth),
+                end_tokens: round.reach.ends.clone(),
+                max_depth: codec::wire_max_depth(round.reach.max_depth),
             });
         }
         self.bytes_sent += messages.iter().map(|m| prost::Message::encoded_len(m) as u64).sum::<u64>();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use glance_spec::session::{DraftEngine, DraftError, RoundInput, Session};
-use glance_spec::tree::{Reach, TokenId};
+use glance_spec::tree::TokenId;
 
 use crate::speculative::{DraftFailure, DraftProvider, DraftRound, DraftSession, Drafted};
 
@@ -61,10 +61,7 @@ impl LocalSession {
             budget: round.budget,
             branch_k: round.branch_k,
             spine: round.spine,
-            reach: Reach {
-                max_depth: round.max_depth,
-                ends: round.ends.iter().map(|&t| t as TokenId).collect(),
-            },
+            reach: round.reach.clone(),
         };
         let tree = self.session.draft(&input).map_err(failed)?;
         let elapsed = started.elapsed();

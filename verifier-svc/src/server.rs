@@ -131,9 +131,31 @@ pub fn load(args: &Args) -> Result<Loaded, StartupError> {
         false => VerifyCost::default(),
     };
     tracing::info!(rows_1_2_4_8_16_32_64 = ?[1, 2, 4, 8, 16, 32, 64].map(|r| costs.estimate(r).map(|s| (s * 1e4).round() / 10.0)), "verify cost (ms) by rows");
+    warn_of_a_steep_cost_curve(&costs);
     let engine = engine::start(model, prompts, limits, drafting, costs);
     let service = GenerationService::new(engine, request_limits, defaults, info, drafter.clone());
     Ok(Loaded { service, drafter, max_request_bytes: args.max_request_bytes, tls, api_keys })
+}
+
+/// Verifying 16 rows at the cost of more than this many one-row steps leaves a tree little to
+/// win: the method assumes a pass that costs about one step up to some width (a memory-bound
+/// target, 1.1-1.5x on a GPU or a CPU with instructions for the weights' dtype).
+const STEEP_VERIFY_16: f64 = 3.0;
+
+/// Tells the operator at start-up when this device's cost shape leaves speculation little room,
+/// so that auto's greedy steps and small trees are not a surprise.
+fn warn_of_a_steep_cost_curve(costs: &VerifyCost) {
+    if let (Some(step), Some(sixteen)) = (costs.estimate(1), costs.estimate(16)) {
+        let ratio = sixteen / step;
+        if ratio > STEEP_VERIFY_16 {
+            tracing::warn!(
+                verify_16_over_step = (ratio * 100.0).round() / 100.0,
+                "verifying 16 rows costs more than {STEEP_VERIFY_16} steps on this device: auto will \
+                 mostly take greedy steps and small trees (the method assumes about one step, as a \
+                 memory-bound target on a GPU has; on a CPU a wide pass is arithmetic)"
+            );
+        }
+    }
 }
 
 /// The model directory's fingerprint (config.json and one embedding row, before the weights are

@@ -19,7 +19,7 @@ use glance_models::readout::{read_rows, Reads, RowsRead, TokenLogprob};
 use glance_models::sampling::{Draw, Sampling};
 use glance_models::{LogitRows, ModelError, StepInput, TargetModel};
 use glance_spec::prompt_lookup::{IndexedHistory, PromptLookup};
-use glance_spec::tree::{TokenId, Tree, TreeLimits};
+use glance_spec::tree::{Reach, TokenId, Tree, TreeLimits};
 use glance_telemetry::ROUND_SPANS;
 use tch::{Kind, Tensor};
 
@@ -48,10 +48,8 @@ pub struct DraftRound<'a> {
     pub branch_k: usize,
     /// Also the tree's spine to the block's last offset (auto: its policy picks the nodes).
     pub spine: bool,
-    /// The deepest node the round could commit and the tokens that end the generation: the
-    /// drafter spends no budget past them.
-    pub max_depth: usize,
-    pub ends: &'a [i64],
+    /// What the round could commit: the drafter spends no budget past it.
+    pub reach: &'a Reach,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -227,6 +225,8 @@ struct Committer<'a, F: FnMut(Emitted<'_>) -> StepControl> {
     prompt_len: usize,
     /// Prompt + generated positions allowed (the greedy decoder's cache capacity).
     limit: usize,
+    /// The tokens that end the generation, as the drafter's trees hold them.
+    ends: Vec<TokenId>,
 }
 
 impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
@@ -252,15 +252,15 @@ impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
     /// left minus one adds nothing), and the tokens that end the generation. At least the first
     /// level: a round at the very last token still verifies the root's children, so every tree
     /// that arrives is verified (or declined by auto) and counted as a round.
-    fn room(&self) -> Room<'a> {
-        self.room_after(0)
+    fn reach(&self) -> Reach {
+        self.reach_after(0)
     }
 
-    /// [`Committer::room`] once `pending` more tokens are committed (a round is asked for before
+    /// [`Committer::reach`] once `pending` more tokens are committed (a round is asked for before
     /// the last round's tokens are).
-    fn room_after(&self, pending: usize) -> Room<'a> {
+    fn reach_after(&self, pending: usize) -> Reach {
         let left = self.tokens_left().saturating_sub(pending);
-        Room { depth: left.saturating_sub(1).max(1), ends: self.params.eos_token_ids }
+        Reach { max_depth: left.saturating_sub(1).max(1), ends: self.ends.clone() }
     }
 
     /// Commits one token (with its log-probability when asked for) with the autoregressive
@@ -283,24 +283,6 @@ impl<'a, F: FnMut(Emitted<'_>) -> StepControl> Committer<'a, F> {
             None
         };
         self.finish.is_none()
-    }
-}
-
-/// What a round could still commit (see [`Committer::room`]).
-#[derive(Clone, Copy)]
-struct Room<'a> {
-    /// The deepest node worth verifying.
-    depth: usize,
-    /// Tokens that end the generation: nothing below one is ever committed.
-    ends: &'a [i64],
-}
-
-impl Room<'_> {
-    /// The nodes of `tree` a round could commit ([`Tree::committable`]): a verify pass never
-    /// spends rows on the rest, which the drafter proposes blindly (its block runs past the end
-    /// of an answer) and greedy decoding would never reach.
-    fn cut(&self, tree: Tree) -> Tree {
-        tree.committable(self.depth, |token| self.ends.contains(&i64::from(token)))
     }
 }
 
@@ -367,6 +349,8 @@ pub fn speculative_generate(
         finish: None,
         prompt_len,
         limit,
+        // An id no tree can hold (none is negative) can end no drafted path.
+        ends: params.eos_token_ids.iter().filter_map(|&t| TokenId::try_from(t).ok()).collect(),
     };
     let mut alive = committer.commit(root, read.logprobs.into_iter().next());
     // How long the verifier last sat idle waiting for a tree.
@@ -374,9 +358,9 @@ pub fn speculative_generate(
     while alive {
         let start = cache.len();
         let _round = tracing::info_span!(target: ROUND_SPANS, "round", position = start).entered();
-        let room = committer.room();
+        let reach = committer.reach();
         // Why this round is a greedy step if it ends up one (only a missing drafter is a fallback).
-        let ask = Ask { history: &history, root, start, root_entropy, room };
+        let ask = Ask { history: &history, root, start, root_entropy, reach: &reach };
         let mut greedy = drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         let mut round = None;
         if let (Some(flight), Some(s)) = (drafting.in_flight.as_ref(), drafting.session.as_mut()) {
@@ -404,8 +388,9 @@ pub fn speculative_generate(
                         let path = committed_since(&history, flight.root_position, root);
                         let stepped =
                             Stepped { path: &path, root_entropy: flight.root_entropy, horizon: max_depth };
-                        let looked_up = policy.is_some().then(|| lookup.find(&history, root, room)).flatten();
-                        round = to_verify(drafted.tree, stepped, room, policy.as_deref_mut(), looked_up);
+                        let looked_up =
+                            policy.is_some().then(|| lookup.find(&history, root, &reach)).flatten();
+                        round = to_verify(drafted.tree, stepped, &reach, policy.as_deref_mut(), looked_up);
                     }
                 }
                 Err(e) => drafting.fail(&mut stats, e),
@@ -416,7 +401,7 @@ pub fn speculative_generate(
         // policy asked for it as the better bet, and tokens committed past its root by lookups
         // shorten what it can still add.
         if let (None, Some(p), Greedy::NotAsked) = (&round, policy.as_deref_mut(), greedy) {
-            if let Some((ngram, chain)) = lookup.propose(&history, root, room, p) {
+            if let Some((ngram, chain)) = lookup.propose(&history, root, &reach, p) {
                 round = Some((chain, Source::Lookup(ngram)));
             }
         }
@@ -499,8 +484,8 @@ pub fn speculative_generate(
         // stop strings, the stream), so the drafter starts on it that much earlier. Unless this
         // round certainly ends the generation; a stop string found below wastes only the draft.
         if !committer.surely_ends(&committed[1..]) {
-            let room = committer.room_after(new_positions);
-            let ask = Ask { history: &history, root, start: cache.len(), root_entropy, room };
+            let reach = committer.reach_after(new_positions);
+            let ask = Ask { history: &history, root, start: cache.len(), root_entropy, reach: &reach };
             drafting.decide(ask, policy.as_deref_mut(), spec, max_depth, &mut stats);
         }
         let _commit = tracing::info_span!(target: ROUND_SPANS, "commit", tokens = new_positions).entered();
@@ -655,7 +640,7 @@ fn send_round(
     start: usize,
     spec: SpecParams,
     spine: bool,
-    room: Room,
+    reach: &Reach,
 ) -> Result<(), DraftFailure> {
     let from = session.context_len();
     let states = history.states_from(from);
@@ -668,8 +653,7 @@ fn send_round(
         budget: spec.budget,
         branch_k: spec.branch_k,
         spine,
-        max_depth: room.depth,
-        ends: room.ends,
+        reach,
     };
     let _span =
         tracing::info_span!(target: ROUND_SPANS, "draft", context_rows = history.len - from, budget = spec.budget).entered();
@@ -701,7 +685,7 @@ struct Ask<'a> {
     root: i64,
     start: usize,
     root_entropy: Option<f64>,
-    room: Room<'a>,
+    reach: &'a Reach,
 }
 
 impl Drafting {
@@ -728,7 +712,7 @@ impl Drafting {
             (None, Some(s)) => {
                 let rows = ask.history.len - s.context_len();
                 if policy.is_none_or(|p| p.should_draft(ask.root_entropy, max_depth, rows)) {
-                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec, spine, ask.room) {
+                    match send_round(s.as_mut(), ask.history, ask.root, ask.start, spec, spine, ask.reach) {
                         Ok(()) => {
                             let sent = Instant::now();
                             self.in_flight = Some(InFlight {
@@ -799,23 +783,23 @@ impl Lookup {
         &mut self,
         history: &History,
         root: i64,
-        room: Room,
+        reach: &Reach,
         policy: &mut RoundPolicy,
     ) -> Option<(usize, Tree)> {
-        let (ngram, mut tree) = self.find(history, root, room)?;
+        let (ngram, mut tree) = self.find(history, root, reach)?;
         tree.truncate(policy.choose_lookup_nodes(ngram, &tree));
         (!tree.is_empty()).then_some((ngram, tree))
     }
 
     /// The n-gram length that matched and the lookup tree after the pending `root`, all of it
-    /// that a round could commit (`room`).
-    fn find(&mut self, history: &History, root: i64, room: Room) -> Option<(usize, Tree)> {
+    /// that a round could commit (`reach`).
+    fn find(&mut self, history: &History, root: i64, reach: &Reach) -> Option<(usize, Tree)> {
         let synced = self.indexed.len();
         for &token in &history.tokens[synced..history.len] {
             self.indexed.push(token as TokenId);
         }
         let (ngram, tree) = self.lookup.find_after(&mut self.indexed, root as TokenId)?;
-        Some((ngram, room.cut(tree)))
+        Some((ngram, tree.within(reach)))
     }
 }
 
@@ -879,20 +863,20 @@ enum Source {
 
 /// What of a (valid) tree drafted at an earlier root to verify now that `stepped.path` has been
 /// committed past that root: the subtree below the path that the generation could still commit
-/// (`room`), cut by the auto policy to the nodes that pay, with the prompt-lookup tree
+/// (`reach`), cut by the auto policy to the nodes that pay, with the prompt-lookup tree
 /// `looked_up` found at the current root (auto only) grafted on. `None`: nothing (the steps left
 /// the tree or passed its depth, or the policy declined). A tree the steps left
 /// still tells the policy how much of it held.
 fn to_verify(
     tree: Tree,
     stepped: Stepped,
-    room: Room,
+    reach: &Reach,
     policy: Option<&mut RoundPolicy>,
     looked_up: Option<(usize, Tree)>,
 ) -> Option<(Tree, Source)> {
     let followed = tree.followed(stepped.path);
     // The cut keeps the first level, so a subtree that is left stays non-empty.
-    let below = tree.descend(stepped.path).filter(|t| !t.is_empty()).map(|t| room.cut(t));
+    let below = tree.descend(stepped.path).filter(|t| !t.is_empty()).map(|t| t.within(reach));
     let (tree, source) = match (below, policy) {
         (None, Some(p)) => {
             p.observe_stale_tree(followed, stepped.root_entropy, stepped.horizon);

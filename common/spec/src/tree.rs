@@ -51,7 +51,7 @@ pub struct Tree {
 /// How far a round could still commit, as the verifier tells the drafter: nothing below a token
 /// that ends the generation, nothing deeper than `max_depth`. A drafter that knows it spends its
 /// budget on nodes that can be committed; the verifier cuts what arrives the same way
-/// ([`Tree::committable`]).
+/// ([`Tree::within`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Reach {
     pub max_depth: usize,
@@ -70,7 +70,8 @@ impl Reach {
         Self { max_depth: usize::MAX, ends: Vec::new() }
     }
 
-    fn ends(&self, token: TokenId) -> bool {
+    /// Whether committing `token` ends the generation.
+    pub fn ends(&self, token: TokenId) -> bool {
         self.ends.contains(&token)
     }
 
@@ -141,19 +142,19 @@ impl Tree {
         kept
     }
 
-    /// The nodes a round could still commit: none below a node whose token ends the generation
-    /// (`ends`: the committer stops there) and none deeper than `max_depth` (the generation's
-    /// length or context limit stops it first). Ancestor-closed and in order, so a best-first
-    /// tree stays best-first; the tree itself when nothing is cut.
-    pub fn committable(self, max_depth: usize, ends: impl Fn(TokenId) -> bool) -> Tree {
+    /// The nodes a round could still commit within `reach`: none below a node whose token ends
+    /// the generation (the committer stops there) and none deeper than `reach.max_depth` (the
+    /// generation's length or context limit stops it first). Ancestor-closed and in order, so a
+    /// best-first tree stays best-first; the tree itself when nothing is cut.
+    pub fn within(self, reach: &Reach) -> Tree {
         // open[i]: node i can be committed and so can a child of it.
         let mut open = vec![false; self.len()];
         let mut keep = Vec::with_capacity(self.len());
         for i in 0..self.len() {
             let reachable = usize::try_from(self.parents[i]).map_or(true, |p| open[p]);
-            if reachable && self.depths[i] as usize <= max_depth {
+            if reachable && self.depths[i] as usize <= reach.max_depth {
                 keep.push(i);
-                open[i] = !ends(self.tokens[i]);
+                open[i] = !reach.ends(self.tokens[i]);
             }
         }
         if keep.len() == self.len() {
@@ -161,11 +162,6 @@ impl Tree {
         } else {
             self.select(&keep)
         }
-    }
-
-    /// [`Tree::committable`] within `reach`.
-    pub fn within(self, reach: &Reach) -> Tree {
-        self.committable(reach.max_depth, |token| reach.ends(token))
     }
 
     /// Checks a tree as it arrives over the wire: the arrays agree, every parent is −1 or an
@@ -464,7 +460,8 @@ pub fn build_budget_tree(marginals: &Marginals, budget: usize, branch_k: usize, 
         let Some(best) = heap.pop() else { break };
         let token = marginals.ids[best.depth - 1][best.rank];
         let here = tree.push(token, best.parent, -best.neg_cum);
-        if best.depth < depth_max && reach.extends(best.depth, token) {
+        // depth_max already holds the reach's depth.
+        if best.depth < depth_max && !reach.ends(token) {
             for r in 0..k {
                 push(&mut heap, best.neg_cum - marginals.log_prob(best.depth, r), best.depth + 1, here, r);
             }
@@ -545,15 +542,15 @@ mod tests {
         tree.push(3, end, -0.8);
         tree.push(6, other_end, -0.9);
         tree.push(5, d, -1.0);
-        let is_end = |t: TokenId| t == 2;
+        let reach = |max_depth| Reach { max_depth, ends: vec![2] };
         // An end token is kept (committing it ends the generation), nothing below it.
-        let cut = tree.clone().committable(16, is_end);
+        let cut = tree.clone().within(&reach(16));
         assert_eq!(shape(&cut), vec![(1, 1, -1), (2, 2, 0), (2, 1, -1), (4, 2, 0), (5, 3, 3)]);
         assert_eq!(cut.log_probs, vec![-0.1, -0.2, -0.5, -0.7, -1.0]);
         // A length limit cuts by depth; with none reached and no end token the tree is unchanged.
-        assert_eq!(shape(&tree.clone().committable(1, is_end)), vec![(1, 1, -1), (2, 1, -1)]);
-        assert!(tree.clone().committable(0, is_end).is_empty());
-        assert_eq!(tree.clone().committable(3, |_| false), tree);
+        assert_eq!(shape(&tree.clone().within(&reach(1))), vec![(1, 1, -1), (2, 1, -1)]);
+        assert!(tree.clone().within(&reach(0)).is_empty());
+        assert_eq!(tree.clone().within(&Reach { max_depth: 3, ends: Vec::new() }), tree);
     }
 
     #[test]

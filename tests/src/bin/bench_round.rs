@@ -437,8 +437,7 @@ fn measure_hop(args: &Args) -> Hop {
             budget: 31,
             branch_k: 8,
             spine: false,
-            max_depth: usize::MAX,
-            ends: &[],
+            reach: &Reach::unbounded(),
         };
         session.send(request).expect("send");
         let drafted = loop {
