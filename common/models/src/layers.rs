@@ -78,24 +78,23 @@ impl Linear {
         &self.weight
     }
 
-    /// Whether `x` (…, in) is better multiplied by the bf16 weight converted to f32 than in bf16:
-    /// a pass of several rows on a CPU without native bf16 matrix multiplication, where libtorch's
-    /// bf16 GEMM has no fast kernel. Measured with torch on one core of a Zen 3 EPYC (AVX2 only),
-    /// by [`Linear::forward_in_f32_blocks`]'s blocks: 16 rows by 576 → 3072 1.7 ms against 5.9 ms
-    /// in bf16 (64 rows: 3.9 against 24 ms), by 576 → 49,152 (SmolLM2's LM head) 26 against 93 ms;
-    /// four rows about even; a step (one row) stays in bf16, where it is a fast matrix-vector
-    /// product. The output is rounded to bf16 as the bf16 GEMM rounds it (both accumulate in f32).
+    /// Whether `x` (…, in) is better multiplied by the bf16 or f16 weight converted to f32 than
+    /// in its own dtype: a pass of several rows on a CPU without native matrix multiplication in
+    /// that dtype, where libtorch's GEMM has no fast kernel. Measured with torch on one core of a
+    /// Zen 3 EPYC (AVX2 only), by [`Linear::forward_in_f32_blocks`]'s blocks: 16 rows by 576 →
+    /// 3072 1.7 ms against 5.9 ms in bf16 (64 rows: 3.9 against 24 ms), by 576 → 49,152
+    /// (SmolLM2's LM head) 26 against 93 ms in bf16 and 26 against 83 ms in f16; four rows about
+    /// even; a step (one row) stays in the weight's dtype, where it is a fast matrix-vector
+    /// product. The output is rounded to that dtype as its GEMM rounds it (both accumulate in f32).
     fn multiplies_in_f32(&self, x: &Tensor) -> bool {
         let rows = || x.size().split_last().map_or(1, |(_, lead)| lead.iter().product::<i64>());
-        self.weight.kind() == Kind::BFloat16
-            && self.weight.device() == Device::Cpu
-            && !cpu_multiplies_bf16()
-            && rows() > 1
+        self.weight.device() == Device::Cpu && !cpu_multiplies(self.weight.kind()) && rows() > 1
     }
 
-    /// `x Wᵀ + b` in f32 from the bf16 weight, converted a block of output rows at a time so the
-    /// converted block stays in the core's cache while it is multiplied (converting the whole
-    /// LM head first made it slower than the bf16 GEMM: 121 against 93 ms), rounded to bf16.
+    /// `x Wᵀ + b` in f32 from the bf16 or f16 weight, converted a block of output rows at a time
+    /// so the converted block stays in the core's cache while it is multiplied (converting the
+    /// whole LM head first made it slower than the bf16 GEMM: 121 against 93 ms), rounded to the
+    /// weight's dtype.
     fn forward_in_f32_blocks(&self, x: &Tensor) -> Tensor {
         /// f32 bytes of weight converted at a time (best of 128, 256 and 512 KiB measured).
         const BLOCK_BYTES: i64 = 512 * 1024;
@@ -111,19 +110,25 @@ impl Linear {
                 x.linear(&weight, bias.as_ref())
             })
             .collect();
-        Tensor::cat(&blocks, -1).to_kind(Kind::BFloat16)
+        Tensor::cat(&blocks, -1).to_kind(self.weight.kind())
     }
 }
 
-/// Whether this CPU has native bf16 dot products (AVX512-BF16: Cooper Lake, Sapphire Rapids and
-/// later, Zen 4 and later), which libtorch's bf16 GEMM uses. Other architectures are assumed to.
-fn cpu_multiplies_bf16() -> bool {
+/// Whether this CPU multiplies `kind` natively, as libtorch's GEMM for it needs to be fast: f32
+/// everywhere; bf16 with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later);
+/// f16 with AVX512-FP16 (Sapphire Rapids and later). Other architectures are assumed to.
+fn cpu_multiplies(kind: Kind) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512bf16")
+        match kind {
+            Kind::BFloat16 => std::arch::is_x86_feature_detected!("avx512bf16"),
+            Kind::Half => std::arch::is_x86_feature_detected!("avx512fp16"),
+            _ => true,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = kind;
         true
     }
 }
@@ -416,30 +421,33 @@ mod tests {
     }
 
     #[test]
-    fn a_bf16_pass_of_several_rows_multiplies_in_f32_where_the_cpu_lacks_bf16() {
-        // 4,100 outputs: three blocks of 2,048 rows where the product runs in f32.
-        let f32_weight = Tensor::randn([4100, 64], (Kind::Float, Device::Cpu));
-        let bias = Tensor::randn([4100], (Kind::Float, Device::Cpu));
-        let linear =
-            Linear::from_parts(f32_weight.to_kind(Kind::BFloat16), Some(bias.to_kind(Kind::BFloat16)));
-        let rows = Tensor::randn([2, 8, 64], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
-        let row = rows.narrow(1, 0, 1).narrow(0, 0, 1);
-        assert_eq!(linear.multiplies_in_f32(&rows), !cpu_multiplies_bf16());
-        assert!(!linear.multiplies_in_f32(&row), "a step stays in bf16");
-        // Beyond bf16 rounding (a few units in the last place of 8 bits) of `b`.
-        let rounding_off = |a: &Tensor, b: &Tensor| {
-            let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
-            crate::read_f64(&((a - &b).abs() - b.abs() * 2e-2).max())
-        };
-        // Either way the output is bf16, within rounding of the same product in f32.
-        let y = linear.forward(&rows);
-        assert_eq!((y.kind(), y.size()), (Kind::BFloat16, vec![2, 8, 4100]));
-        let bias_f32 = bias.to_kind(Kind::BFloat16).to_kind(Kind::Float);
-        let exact = rows.to_kind(Kind::Float).linear(&linear.weight.to_kind(Kind::Float), Some(bias_f32));
-        assert!(rounding_off(&y, &exact) <= 1e-3);
-        // The pass's first row is the step's, up to rounding.
-        let first = y.narrow(1, 0, 1).narrow(0, 0, 1);
-        assert!(rounding_off(&linear.forward(&row), &first) <= 1e-3);
+    fn a_half_precision_pass_of_several_rows_multiplies_in_f32_where_the_cpu_lacks_its_dtype() {
+        for kind in [Kind::BFloat16, Kind::Half] {
+            // 4,100 outputs: three blocks of 2,048 rows where the product runs in f32.
+            let f32_weight = Tensor::randn([4100, 64], (Kind::Float, Device::Cpu));
+            let bias = Tensor::randn([4100], (Kind::Float, Device::Cpu));
+            let linear = Linear::from_parts(f32_weight.to_kind(kind), Some(bias.to_kind(kind)));
+            let rows = Tensor::randn([2, 8, 64], (Kind::Float, Device::Cpu)).to_kind(kind);
+            let row = rows.narrow(1, 0, 1).narrow(0, 0, 1);
+            assert_eq!(linear.multiplies_in_f32(&rows), !cpu_multiplies(kind));
+            assert!(!linear.multiplies_in_f32(&row), "a step stays in {kind:?}");
+            // Beyond rounding (a few units in the last place of 8 bits, for bf16) of `b`.
+            let rounding_off = |a: &Tensor, b: &Tensor| {
+                let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+                crate::read_f64(&((a - &b).abs() - b.abs() * 2e-2).max())
+            };
+            // Either way the output is in the weight's dtype, within rounding of the same product
+            // in f32.
+            let y = linear.forward(&rows);
+            assert_eq!((y.kind(), y.size()), (kind, vec![2, 8, 4100]));
+            let bias_rounded = bias.to_kind(kind).to_kind(Kind::Float);
+            let exact =
+                rows.to_kind(Kind::Float).linear(&linear.weight.to_kind(Kind::Float), Some(bias_rounded));
+            assert!(rounding_off(&y, &exact) <= 1e-3, "{kind:?}");
+            // The pass's first row is the step's, up to rounding.
+            let first = y.narrow(1, 0, 1).narrow(0, 0, 1);
+            assert!(rounding_off(&linear.forward(&row), &first) <= 1e-3, "{kind:?}");
+        }
     }
 
     #[test]
