@@ -71,7 +71,7 @@ impl Reach {
     }
 
     /// Whether committing `token` ends the generation.
-    pub fn ends(&self, token: TokenId) -> bool {
+    fn ends(&self, token: TokenId) -> bool {
         self.ends.contains(&token)
     }
 
