@@ -15,7 +15,9 @@ use std::path::Path;
 
 use glance_models::config::parse_rope_scaling;
 use glance_models::kv_cache::KvCache;
-use glance_models::layers::{inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu};
+use glance_models::layers::{
+    inverse_frequencies, linear, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu,
+};
 use glance_models::weights::{Checkpoint, WeightsError};
 use glance_models::{RopeScaling, TextConfig};
 use glance_spec::tree::{TokenId, Tree};
@@ -439,7 +441,7 @@ impl Eagle3Head {
     /// The draft logits of pre-norm outputs over the draft vocabulary, (…, draft vocab).
     pub fn logits(&self, out: &Tensor) -> Tensor {
         let normed = if self.config.norm_output { self.norm.forward(out) } else { out.shallow_clone() };
-        normed.linear(&self.lm_head, None::<Tensor>)
+        linear(&normed, &self.lm_head, None)
     }
 
     /// Log-probabilities over the draft vocabulary of pre-norm outputs (…, hidden).

@@ -14,7 +14,7 @@ use std::path::Path;
 use glance_models::config::TargetConfig;
 use glance_models::kv_cache::{CacheError, KvCache};
 use glance_models::layers::{
-    gemm_layout, inverse_frequencies, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu,
+    gemm_layout, inverse_frequencies, linear, Activation, FusedLinear, Linear, RmsNorm, Rotary, SwiGlu,
 };
 use glance_models::weights::{read_named_tensors, Checkpoint, WeightsError};
 use glance_models::{ModelError, TextConfig};
@@ -493,7 +493,7 @@ impl DraftHead {
         cache.advance(rows as usize);
         let out = self.norm.forward(&hidden.narrow(0, 1, block - 1));
         match &self.draft_vocab {
-            Some(vocab) => self.scale_logits(out.linear(&vocab.lm_head, None::<Tensor>)),
+            Some(vocab) => self.scale_logits(linear(&out, &vocab.lm_head, None)),
             None => self.logits(&out),
         }
     }
@@ -532,7 +532,7 @@ impl DraftHead {
     /// The logits of `hidden` (…, hidden) for the vocabulary rows `ids` (k,) only: (…, k), each
     /// equal to the matching column of the full logits.
     pub fn logits_over(&self, hidden: &Tensor, ids: &Tensor) -> Tensor {
-        self.scale_logits(hidden.linear(&self.lm_head.index_select(0, ids), None::<Tensor>))
+        self.scale_logits(linear(hidden, &self.lm_head.index_select(0, ids), None))
     }
 
     /// Rotary tables (n, head_dim) for the 1-D int64 `positions` (n,); angles in f32 as
@@ -561,7 +561,7 @@ impl DraftHead {
 
     /// The draft logits of `hidden` (…, hidden) over the whole vocabulary: (…, vocab).
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
-        self.scale_logits(hidden.linear(&self.lm_head, None::<Tensor>))
+        self.scale_logits(linear(hidden, &self.lm_head, None))
     }
 
     /// The output multiplier and soft-capping of the target's LM head.

@@ -135,6 +135,9 @@ fn parity_checks_have_teeth() {
 #[test]
 fn bf16_and_f16_run_close_to_the_f32_reference() {
     let Some(root) = fixtures() else { return };
+    // One libtorch thread, as each service runs in the benchmarks: on a CPU without bf16 matrix
+    // instructions a half-precision product then takes the few-row kernel (`skinny_gemm`).
+    tch::set_num_threads(1);
     for (family, _) in FAMILIES {
         let dir = root.join(family);
         let case = Case::load(&dir, "two_images");

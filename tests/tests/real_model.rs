@@ -96,6 +96,9 @@ fn batched_f32_greedy_equals_transformers() {
 #[test]
 fn bf16_greedy_diverges_only_at_near_ties() {
     let Some(dir) = real_model() else { return };
+    // One libtorch thread, as each service runs in the benchmarks: on a CPU without bf16 matrix
+    // instructions a half-precision product then takes the few-row kernel (`skinny_gemm`).
+    tch::set_num_threads(1);
     let reference = reference(&dir);
     let runs = &reference.runs["bfloat16"];
     let mut identical = 0;

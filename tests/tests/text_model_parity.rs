@@ -140,6 +140,9 @@ fn unsupported_configs_fail_at_load_naming_the_key() {
 #[test]
 fn bf16_runs_close_to_the_f32_reference() {
     let Some(root) = fixtures() else { return };
+    // One libtorch thread, as each service runs in the benchmarks: on a CPU without bf16 matrix
+    // instructions a half-precision product then takes the few-row kernel (`skinny_gemm`).
+    tch::set_num_threads(1);
     for family in TEXT_FAMILIES {
         let dir = root.join(family);
         let case = Case::load(&dir, "long");

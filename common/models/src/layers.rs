@@ -3,6 +3,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::skinny_gemm::{self, HalfFloat};
 use crate::weights::{Checkpoint, WeightsError};
 
 /// `y = x Wᵀ + b`.
@@ -68,50 +69,130 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        if self.multiplies_in_f32(x) {
-            return self.forward_in_f32_blocks(x);
-        }
-        x.linear(&self.weight, self.bias.as_ref())
+        linear(x, &self.weight, self.bias.as_ref())
     }
 
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
+}
 
-    /// Whether `x` (…, in) is better multiplied by the bf16 or f16 weight converted to f32 than
-    /// in its own dtype: a pass of several rows on a CPU without native matrix multiplication in
-    /// that dtype, where libtorch's GEMM has no fast kernel. Measured with torch on one core of a
-    /// Zen 3 EPYC (AVX2 only), by [`Linear::forward_in_f32_blocks`]'s blocks: 16 rows by 576 →
-    /// 3072 1.7 ms against 5.9 ms in bf16 (64 rows: 3.9 against 24 ms), by 576 → 49,152
-    /// (SmolLM2's LM head) 26 against 93 ms in bf16 and 26 against 83 ms in f16; four rows about
-    /// even; a step (one row) stays in the weight's dtype, where it is a fast matrix-vector
-    /// product. The output is rounded to that dtype as its GEMM rounds it (both accumulate in f32).
-    fn multiplies_in_f32(&self, x: &Tensor) -> bool {
-        let rows = || x.size().split_last().map_or(1, |(_, lead)| lead.iter().product::<i64>());
-        self.weight.device() == Device::Cpu && !cpu_multiplies(self.weight.kind()) && rows() > 1
+/// `x Wᵀ + b` for `x` (…, in) and `weight` (out, in), by the fastest route this device has for
+/// the weight's dtype ([`Route`]). Every frozen matrix product of the model library and the draft
+/// heads goes through here.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
+    match Route::of(x, weight) {
+        Route::Libtorch => x.linear(weight, bias),
+        Route::FewRows(format) => few_rows(x, weight, bias, format),
+        Route::F32Blocks => in_f32_blocks(x, weight, bias),
     }
+}
 
-    /// `x Wᵀ + b` in f32 from the bf16 or f16 weight, converted a block of output rows at a time
-    /// so the converted block stays in the core's cache while it is multiplied (converting the
-    /// whole LM head first made it slower than the bf16 GEMM: 121 against 93 ms), rounded to the
-    /// weight's dtype.
-    fn forward_in_f32_blocks(&self, x: &Tensor) -> Tensor {
-        /// f32 bytes of weight converted at a time (best of 128, 256 and 512 KiB measured).
-        const BLOCK_BYTES: i64 = 512 * 1024;
-        let (out_dim, in_dim) = (self.weight.size()[0], self.weight.size()[1]);
-        let block = (BLOCK_BYTES / (in_dim * 4)).max(8);
-        let x = x.to_kind(Kind::Float);
-        let blocks: Vec<Tensor> = (0..out_dim)
-            .step_by(block as usize)
-            .map(|start| {
-                let len = block.min(out_dim - start);
-                let weight = self.weight.narrow(0, start, len).to_kind(Kind::Float);
-                let bias = self.bias.as_ref().map(|b| b.narrow(0, start, len).to_kind(Kind::Float));
-                x.linear(&weight, bias.as_ref())
-            })
-            .collect();
-        Tensor::cat(&blocks, -1).to_kind(self.weight.kind())
+/// Passes of at most this many rows take [`Route::FewRows`]: measured on one core of a Zen 3 EPYC
+/// (AVX2), the kernel beats the f32 blocks at every width tried up to 128 rows (576 → 3072: 16
+/// rows 0.70 against 1.40 ms, 64 rows 3.1 against 3.8; 2048 → 12,288: 16 rows 11.8 against 23.8
+/// ms, 128 rows 85 against 89); past a verify pass's rows (a prefill) MKL's blocked GEMM keeps the
+/// work.
+const FEW_ROWS_MAX: i64 = 64;
+
+/// How [`linear`] multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// libtorch's own GEMM in the weight's dtype: on a GPU, in f32, on a CPU with matrix
+    /// instructions for the dtype, and for a half-precision step where the few-row kernel cannot
+    /// run (one row of libtorch's bf16 matrix-vector product is fast enough there).
+    Libtorch,
+    /// [`crate::skinny_gemm`]: a half-precision weight on a CPU without the dtype's matrix
+    /// instructions, one libtorch thread, at most [`FEW_ROWS_MAX`] rows, nothing to differentiate.
+    FewRows(HalfFloat),
+    /// The half-precision weight converted to f32 a cache-sized block at a time and multiplied by
+    /// MKL ([`in_f32_blocks`]): the other passes of several rows on such a CPU.
+    F32Blocks,
+}
+
+impl Route {
+    fn of(x: &Tensor, weight: &Tensor) -> Self {
+        let kind = weight.kind();
+        let format = match kind {
+            Kind::BFloat16 => HalfFloat::BFloat16,
+            Kind::Half => HalfFloat::Float16,
+            _ => return Route::Libtorch,
+        };
+        if weight.device() != Device::Cpu || cpu_multiplies(kind) {
+            return Route::Libtorch;
+        }
+        let rows = x.size().split_last().map_or(1, |(_, lead)| lead.iter().product::<i64>());
+        if (1..=FEW_ROWS_MAX).contains(&rows) && few_rows_run(x, weight) {
+            Route::FewRows(format)
+        } else if rows > 1 {
+            Route::F32Blocks
+        } else {
+            Route::Libtorch
+        }
     }
+}
+
+/// Whether [`few_rows`] can take this product: the kernel's instructions, a weight it reads as
+/// stored, nothing that needs a gradient, and one libtorch thread (the kernel runs on the calling
+/// thread only, where MKL would use them all).
+fn few_rows_run(x: &Tensor, weight: &Tensor) -> bool {
+    skinny_gemm::available()
+        && tch::get_num_threads() == 1
+        && weight.is_contiguous()
+        && !weight.requires_grad()
+        && !x.requires_grad()
+}
+
+/// [`Route::FewRows`]: `x` widened to f32 (it is a few rows), the product by
+/// [`skinny_gemm::multiply`], the bias added in f32 and the output rounded to the weight's dtype,
+/// as libtorch's half-precision GEMM rounds its f32 accumulators.
+fn few_rows(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, format: HalfFloat) -> Tensor {
+    let (n, k) = (weight.size()[0], weight.size()[1]);
+    let mut out_shape = x.size();
+    *out_shape.last_mut().expect("a linear layer's input has a last dimension") = n;
+    let x = x.to_kind(Kind::Float).contiguous().view([-1, k]);
+    let m = x.size()[0];
+    let out = Tensor::empty([m, n], (Kind::Float, Device::Cpu));
+    let [m, k, n] = [m, k, n].map(|d| d as usize);
+    // SAFETY: `x` and `out` are contiguous f32 CPU tensors of m·k and m·n elements and `weight` a
+    // contiguous 16-bit CPU tensor of n·k (checked by `Route::of`); `out` is this function's own.
+    let (x_values, weight_bits, out_values) = unsafe {
+        (
+            std::slice::from_raw_parts(x.data_ptr() as *const f32, m * k),
+            std::slice::from_raw_parts(weight.data_ptr() as *const u16, n * k),
+            std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, m * n),
+        )
+    };
+    skinny_gemm::multiply(x_values, weight_bits, format, [m, k, n], out_values);
+    let out = match bias {
+        Some(bias) => out + bias.to_kind(Kind::Float),
+        None => out,
+    };
+    out.to_kind(weight.kind()).view(out_shape.as_slice())
+}
+
+/// [`Route::F32Blocks`]: `x Wᵀ + b` in f32 from the bf16 or f16 weight, converted a block of
+/// output rows at a time so the converted block stays in the core's cache while it is multiplied
+/// (converting the whole LM head first made it slower than the bf16 GEMM: 121 against 93 ms),
+/// rounded to the weight's dtype. Measured with torch on one core of a Zen 3 EPYC (AVX2 only): 16
+/// rows by 576 → 3072 1.4 ms against 5.8 ms in bf16 (64 rows: 3.9 against 23 ms); by 576 → 49,152
+/// (SmolLM2's LM head) 26 against 93 ms in bf16 and 26 against 83 ms in f16.
+fn in_f32_blocks(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
+    /// f32 bytes of weight converted at a time (best of 128, 256 and 512 KiB measured).
+    const BLOCK_BYTES: i64 = 512 * 1024;
+    let (out_dim, in_dim) = (weight.size()[0], weight.size()[1]);
+    let block = (BLOCK_BYTES / (in_dim * 4)).max(8);
+    let x = x.to_kind(Kind::Float);
+    let blocks: Vec<Tensor> = (0..out_dim)
+        .step_by(block as usize)
+        .map(|start| {
+            let len = block.min(out_dim - start);
+            let weight_block = weight.narrow(0, start, len).to_kind(Kind::Float);
+            let bias = bias.map(|b| b.narrow(0, start, len).to_kind(Kind::Float));
+            x.linear(&weight_block, bias.as_ref())
+        })
+        .collect();
+    Tensor::cat(&blocks, -1).to_kind(weight.kind())
 }
 
 /// Whether this CPU multiplies `kind` natively, as libtorch's GEMM for it needs to be fast: f32
@@ -421,32 +502,50 @@ mod tests {
     }
 
     #[test]
-    fn a_half_precision_pass_of_several_rows_multiplies_in_f32_where_the_cpu_lacks_its_dtype() {
-        for kind in [Kind::BFloat16, Kind::Half] {
-            // 4,100 outputs: three blocks of 2,048 rows where the product runs in f32.
-            let f32_weight = Tensor::randn([4100, 64], (Kind::Float, Device::Cpu));
-            let bias = Tensor::randn([4100], (Kind::Float, Device::Cpu));
-            let linear = Linear::from_parts(f32_weight.to_kind(kind), Some(bias.to_kind(kind)));
-            let rows = Tensor::randn([2, 8, 64], (Kind::Float, Device::Cpu)).to_kind(kind);
+    fn a_half_precision_pass_on_a_cpu_without_the_dtypes_matrix_instructions_multiplies_in_f32() {
+        for (kind, format) in [(Kind::BFloat16, HalfFloat::BFloat16), (Kind::Half, HalfFloat::Float16)] {
+            // 4,100 outputs of 67 inputs: two blocks of 1,956 and a short one for the f32 blocks,
+            // column and input tails for the few-row kernel.
+            let f32_weight = Tensor::randn([4100, 67], (Kind::Float, Device::Cpu));
+            let weight = f32_weight.to_kind(kind);
+            let bias = Tensor::randn([4100], (Kind::Float, Device::Cpu)).to_kind(kind);
+            let rows = Tensor::randn([2, 8, 67], (Kind::Float, Device::Cpu)).to_kind(kind);
             let row = rows.narrow(1, 0, 1).narrow(0, 0, 1);
-            assert_eq!(linear.multiplies_in_f32(&rows), !cpu_multiplies(kind));
-            assert!(!linear.multiplies_in_f32(&row), "a step stays in {kind:?}");
+            let expected = match (cpu_multiplies(kind), few_rows_run(&rows, &weight)) {
+                (true, _) => Route::Libtorch,
+                (false, true) => Route::FewRows(format),
+                (false, false) => Route::F32Blocks,
+            };
+            assert_eq!(Route::of(&rows, &weight), expected, "{kind:?}");
+            let trainable = weight.copy().set_requires_grad(true);
+            assert!(!few_rows_run(&rows, &trainable), "a weight that learns is left to libtorch");
             // Beyond rounding (a few units in the last place of 8 bits, for bf16) of `b`.
             let rounding_off = |a: &Tensor, b: &Tensor| {
                 let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
                 crate::read_f64(&((a - &b).abs() - b.abs() * 2e-2).max())
             };
-            // Either way the output is in the weight's dtype, within rounding of the same product
-            // in f32.
-            let y = linear.forward(&rows);
-            assert_eq!((y.kind(), y.size()), (kind, vec![2, 8, 4100]));
-            let bias_rounded = bias.to_kind(kind).to_kind(Kind::Float);
-            let exact =
-                rows.to_kind(Kind::Float).linear(&linear.weight.to_kind(Kind::Float), Some(bias_rounded));
-            assert!(rounding_off(&y, &exact) <= 1e-3, "{kind:?}");
-            // The pass's first row is the step's, up to rounding.
-            let first = y.narrow(1, 0, 1).narrow(0, 0, 1);
-            assert!(rounding_off(&linear.forward(&row), &first) <= 1e-3, "{kind:?}");
+            let exact = rows
+                .to_kind(Kind::Float)
+                .linear(&weight.to_kind(Kind::Float), Some(bias.to_kind(Kind::Float)));
+            let mut outputs = vec![
+                ("the chosen route", linear(&rows, &weight, Some(&bias))),
+                ("f32 blocks", in_f32_blocks(&rows, &weight, Some(&bias))),
+            ];
+            if skinny_gemm::available() {
+                let pass = few_rows(&rows, &weight, Some(&bias), format);
+                // Each row summed alike whatever the rows beside it: the step is the pass's first row.
+                let step = few_rows(&row, &weight, Some(&bias), format);
+                assert!(step.equal(&pass.narrow(1, 0, 1).narrow(0, 0, 1)), "{kind:?}");
+                outputs.push(("few rows", pass));
+            }
+            // Every route's output is in the weight's dtype, within rounding of the f32 product.
+            for (route, y) in outputs {
+                assert_eq!((y.kind(), y.size()), (kind, vec![2, 8, 4100]), "{route}, {kind:?}");
+                assert!(rounding_off(&y, &exact) <= 1e-3, "{route}, {kind:?}");
+            }
+            // And a step, whichever route it takes.
+            let first = exact.narrow(1, 0, 1).narrow(0, 0, 1);
+            assert!(rounding_off(&linear(&row, &weight, Some(&bias)), &first) <= 1e-3, "{kind:?}");
         }
     }
 

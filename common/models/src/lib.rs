@@ -2,8 +2,9 @@
 //! Qwen2.5-VL, the text-only Llama and Qwen3; one file per family, the shared language model in
 //! `text`), loaded unchanged from Hugging Face model directories with their typed `config.json`
 //! (`config`), checkpoint reading (`weights`), the preallocated KV cache, decoding (`decode`), the
-//! sampler (`sampling`) and what a pass reads back per row (`readout`: the choice, the entropy, the
-//! log-probabilities).
+//! sampler (`sampling`), what a pass reads back per row (`readout`: the choice, the entropy, the
+//! log-probabilities) and the few-row bf16/f16 matrix product for CPUs without those dtypes'
+//! matrix instructions (`skinny_gemm`, chosen by `layers::linear`).
 
 pub mod config;
 pub mod decode;
@@ -15,6 +16,7 @@ pub mod qwen3;
 pub mod qwen3_vl;
 pub mod readout;
 pub mod sampling;
+pub mod skinny_gemm;
 pub mod text;
 pub mod weights;
 
