@@ -100,6 +100,12 @@ impl ServiceProcess {
 
     fn spawn(mut command: Command) -> Self {
         command.stdout(Stdio::piped()).stderr(Stdio::inherit()).env("RUST_LOG", "warn");
+        // One libtorch thread per service unless a test says otherwise, as the demo and the
+        // benchmarks run them: several servers share two cores here, and the model library's
+        // routes for a few rows on a CPU (`glance_models::layers::linear`) are the ones measured.
+        if !command.get_envs().any(|(name, _)| name == "OMP_NUM_THREADS") {
+            command.env("OMP_NUM_THREADS", "1");
+        }
         let mut child = command.spawn().expect("starting the service");
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = mpsc::channel();

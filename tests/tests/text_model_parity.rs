@@ -17,6 +17,11 @@ use glance_tests::{
 use tch::{Kind, Tensor};
 
 const TOLERANCE: f64 = 1e-4;
+/// Logits grow with the strong random init (|logit| about 12 on the tiny Llama): as for the VLM
+/// families, their bound is relative to the largest, never below 1e-4. The order a matrix product
+/// sums in moves them by a few f32 units in the last place of that size (MKL's, transformers' own,
+/// and the few-row kernel's differ).
+const LOGIT_TOLERANCE: f64 = 2e-5;
 
 fn load(dir: &Path, kind: Kind) -> TargetModel {
     TargetModel::load(dir, kind, test_device()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
@@ -38,8 +43,11 @@ fn logits_and_taps_match_transformers() {
                 .zip(&taps)
                 .map(|(layer, tap)| max_abs_diff(tap, case.tensor(&format!("hidden_{layer}"))))
                 .fold(0.0, f64::max);
-            println!("{family}/{name}: logits max|Δ| {logit_diff:.2e}, taps max|Δ| {tap_diff:.2e}");
-            assert!(logit_diff <= TOLERANCE, "{family}/{name}: logits differ by {logit_diff}");
+            let logit_bound = LOGIT_TOLERANCE * case.tensor("logits").abs().max().double_value(&[]).max(5.0);
+            println!(
+                "{family}/{name}: logits max|Δ| {logit_diff:.2e} (bound {logit_bound:.1e}), taps max|Δ| {tap_diff:.2e}"
+            );
+            assert!(logit_diff <= logit_bound, "{family}/{name}: logits differ by {logit_diff}");
             assert!(tap_diff <= TOLERANCE, "{family}/{name}: tapped states differ by {tap_diff}");
         }
     }

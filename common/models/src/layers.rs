@@ -3,7 +3,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::skinny_gemm::{self, HalfFloat};
+use crate::skinny_gemm::{self, WeightRows};
 use crate::weights::{Checkpoint, WeightsError};
 
 /// `y = x Wᵀ + b`.
@@ -78,53 +78,62 @@ impl Linear {
 }
 
 /// `x Wᵀ + b` for `x` (…, in) and `weight` (out, in), by the fastest route this device has for
-/// the weight's dtype ([`Route`]). Every frozen matrix product of the model library and the draft
-/// heads goes through here.
+/// the weight's dtype and layout ([`Route`]). Every frozen matrix product of the model library and
+/// the draft heads goes through here.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
     match Route::of(x, weight) {
         Route::Libtorch => x.linear(weight, bias),
-        Route::FewRows(format) => few_rows(x, weight, bias, format),
+        Route::FewRows => few_rows(x, weight, bias),
         Route::F32Blocks => in_f32_blocks(x, weight, bias),
     }
 }
 
 /// Passes of at most this many rows take [`Route::FewRows`]: measured on one core of a Zen 3 EPYC
-/// (AVX2), the kernel beats the f32 blocks at every width tried up to 128 rows (576 → 3072: 16
-/// rows 0.70 against 1.40 ms, 64 rows 3.1 against 3.8; 2048 → 12,288: 16 rows 11.8 against 23.8
-/// ms, 128 rows 85 against 89); past a verify pass's rows (a prefill) MKL's blocked GEMM keeps the
-/// work.
+/// (AVX2), the kernel beats the bf16 weight in f32 blocks at every width tried up to 128 rows (576
+/// → 3072: 16 rows 0.70 against 1.40 ms, 64 rows 3.1 against 3.8; 2048 → 12,288: 16 rows 11.8
+/// against 23.8 ms, 128 rows 85 against 89), and MKL's f32 GEMM from 2 to 16 rows (2048 → 2048: 4
+/// rows 0.51 against 1.10 ms, 16 rows 1.9 against 2.1); past a verify pass's rows (a prefill) MKL's
+/// blocked GEMM keeps the work.
 const FEW_ROWS_MAX: i64 = 64;
+
+/// f32 matrices up to this size are kept row by row for the few-row kernel ([`gemm_layout`]):
+/// from one row up to 32 MiB it is as fast as MKL's matrix-vector product from the column layout
+/// or faster (192 → 1024: 17 against 21 µs; 2048 → 4096: 0.92 against 1.06 ms), and 2-3x faster
+/// at 4 rows; above, MKL streams one row from the column layout faster (576 → 49,152: 4.8 against
+/// 7.0 ms), so those keep the column layout and MKL.
+const FEW_ROWS_F32_MATRIX_BYTES: i64 = 32 << 20;
 
 /// How [`linear`] multiplies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Route {
-    /// libtorch's own GEMM in the weight's dtype: on a GPU, in f32, on a CPU with matrix
-    /// instructions for the dtype, and for a half-precision step where the few-row kernel cannot
-    /// run (one row of libtorch's bf16 matrix-vector product is fast enough there).
+    /// libtorch's own GEMM in the weight's dtype: on a GPU, on a CPU with matrix instructions for a
+    /// half-precision dtype, for an f32 matrix kept column by column, and for whatever the
+    /// few-row kernel cannot take.
     Libtorch,
-    /// [`crate::skinny_gemm`]: a half-precision weight on a CPU without the dtype's matrix
-    /// instructions, one libtorch thread, at most [`FEW_ROWS_MAX`] rows, nothing to differentiate.
-    FewRows(HalfFloat),
+    /// [`crate::skinny_gemm`]: a CPU with its instructions, one libtorch thread, at most
+    /// [`FEW_ROWS_MAX`] rows, nothing to differentiate, and a row-major weight in bf16 or f16 (on
+    /// a CPU without matrix instructions for them) or in f32 ([`gemm_layout`] keeps small ones so).
+    FewRows,
     /// The half-precision weight converted to f32 a cache-sized block at a time and multiplied by
-    /// MKL ([`in_f32_blocks`]): the other passes of several rows on such a CPU.
+    /// MKL ([`in_f32_blocks`]): the other passes of several rows on a CPU without matrix
+    /// instructions for the dtype.
     F32Blocks,
 }
 
 impl Route {
     fn of(x: &Tensor, weight: &Tensor) -> Self {
         let kind = weight.kind();
-        let format = match kind {
-            Kind::BFloat16 => HalfFloat::BFloat16,
-            Kind::Half => HalfFloat::Float16,
-            _ => return Route::Libtorch,
-        };
-        if weight.device() != Device::Cpu || cpu_multiplies(kind) {
+        let half_precision = matches!(kind, Kind::BFloat16 | Kind::Half);
+        if weight.device() != Device::Cpu || !(kind == Kind::Float || half_precision) {
+            return Route::Libtorch;
+        }
+        if half_precision && cpu_multiplies(kind) {
             return Route::Libtorch;
         }
         let rows = x.size().split_last().map_or(1, |(_, lead)| lead.iter().product::<i64>());
         if (1..=FEW_ROWS_MAX).contains(&rows) && few_rows_run(x, weight) {
-            Route::FewRows(format)
-        } else if rows > 1 {
+            Route::FewRows
+        } else if half_precision && rows > 1 {
             Route::F32Blocks
         } else {
             Route::Libtorch
@@ -133,20 +142,21 @@ impl Route {
 }
 
 /// Whether [`few_rows`] can take this product: the kernel's instructions, a weight it reads as
-/// stored, nothing that needs a gradient, and one libtorch thread (the kernel runs on the calling
-/// thread only, where MKL would use them all).
+/// stored (row-major), nothing that needs a gradient, and one libtorch thread (the kernel runs on
+/// the calling thread only, where MKL would use them all).
 fn few_rows_run(x: &Tensor, weight: &Tensor) -> bool {
-    skinny_gemm::available()
-        && tch::get_num_threads() == 1
-        && weight.is_contiguous()
-        && !weight.requires_grad()
-        && !x.requires_grad()
+    few_rows_kernel_runs() && weight.is_contiguous() && !weight.requires_grad() && !x.requires_grad()
 }
 
-/// [`Route::FewRows`]: `x` widened to f32 (it is a few rows), the product by
-/// [`skinny_gemm::multiply`], the bias added in f32 and the output rounded to the weight's dtype,
-/// as libtorch's half-precision GEMM rounds its f32 accumulators.
-fn few_rows(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, format: HalfFloat) -> Tensor {
+/// The kernel's instructions and one libtorch thread.
+fn few_rows_kernel_runs() -> bool {
+    skinny_gemm::available() && tch::get_num_threads() == 1
+}
+
+/// [`Route::FewRows`]: `x` in f32 (it is a few rows), the product by [`skinny_gemm::multiply`],
+/// the bias added in f32 and the output rounded to the weight's dtype, as libtorch's
+/// half-precision GEMM rounds its f32 accumulators.
+fn few_rows(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
     let (n, k) = (weight.size()[0], weight.size()[1]);
     let mut out_shape = x.size();
     *out_shape.last_mut().expect("a linear layer's input has a last dimension") = n;
@@ -155,15 +165,23 @@ fn few_rows(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, format: HalfFloa
     let out = Tensor::empty([m, n], (Kind::Float, Device::Cpu));
     let [m, k, n] = [m, k, n].map(|d| d as usize);
     // SAFETY: `x` and `out` are contiguous f32 CPU tensors of m·k and m·n elements and `weight` a
-    // contiguous 16-bit CPU tensor of n·k (checked by `Route::of`); `out` is this function's own.
-    let (x_values, weight_bits, out_values) = unsafe {
+    // contiguous CPU tensor of n·k elements of its kind (checked by `Route::of`); `out` is this
+    // function's own.
+    let (x_values, out_values) = unsafe {
         (
             std::slice::from_raw_parts(x.data_ptr() as *const f32, m * k),
-            std::slice::from_raw_parts(weight.data_ptr() as *const u16, n * k),
             std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, m * n),
         )
     };
-    skinny_gemm::multiply(x_values, weight_bits, format, [m, k, n], out_values);
+    let stored = weight.data_ptr();
+    let weight_rows = unsafe {
+        match weight.kind() {
+            Kind::BFloat16 => WeightRows::BFloat16(std::slice::from_raw_parts(stored as *const u16, n * k)),
+            Kind::Half => WeightRows::Float16(std::slice::from_raw_parts(stored as *const u16, n * k)),
+            _ => WeightRows::Float32(std::slice::from_raw_parts(stored as *const f32, n * k)),
+        }
+    };
+    skinny_gemm::multiply(x_values, weight_rows, [m, k, n], out_values);
     let out = match bias {
         Some(bias) => out + bias.to_kind(Kind::Float),
         None => out,
@@ -214,18 +232,27 @@ fn cpu_multiplies(kind: Kind) -> bool {
     }
 }
 
-/// `weight` (out, in) as a frozen matrix of `x.linear(weight)` is best kept. On a CPU in f32 that
-/// is column by column (its transpose contiguous, the tensor still (out, in)): MKL's sgemm then
-/// multiplies the few rows of a step, a verify pass or a draft pass without transposing the
-/// matrix into its panels each call. Measured with torch on one core of this project's CPU VM:
-/// 16 rows by 192 → 1024, 64 → 43 µs; 16 by 512 → 192, 38 → 22 µs; one row by 192 → 384, 7.6 →
-/// 6.0 µs; one row by 2048 → 6144 the same either way. In bf16 (oneDNN) and on a GPU the stored
-/// layout is as fast or faster, so there the weight stays as it is.
+/// `weight` (out, in) as a frozen matrix of [`linear`] is best kept. On a CPU in f32: row by row
+/// (as stored) where the few-row kernel will take it (up to [`FEW_ROWS_F32_MATRIX_BYTES`], one
+/// libtorch thread), else column by column (its transpose contiguous, the tensor still (out, in)):
+/// MKL's sgemm then multiplies the few rows of a step, a verify pass or a draft pass without
+/// transposing the matrix into its panels each call. Measured with torch on one core of this
+/// project's CPU VM: 16 rows by 192 → 1024, 64 → 43 µs; 16 by 512 → 192, 38 → 22 µs; one row by
+/// 192 → 384, 7.6 → 6.0 µs; one row by 2048 → 6144 the same either way. In bf16 (oneDNN or the
+/// kernel) and on a GPU the stored layout is as fast or faster, so there the weight stays as it is.
 pub fn gemm_layout(weight: Tensor) -> Tensor {
-    if weight.device() == Device::Cpu && weight.kind() == Kind::Float && weight.dim() == 2 {
-        weight.tr().contiguous().tr()
+    if weight.device() != Device::Cpu || weight.kind() != Kind::Float || weight.dim() != 2 {
+        return weight;
+    }
+    f32_layout(weight, few_rows_kernel_runs())
+}
+
+/// [`gemm_layout`] of an f32 CPU matrix, given whether the few-row kernel runs here.
+fn f32_layout(weight: Tensor, few_rows_kernel_runs: bool) -> Tensor {
+    if few_rows_kernel_runs && weight.numel() as i64 * 4 <= FEW_ROWS_F32_MATRIX_BYTES {
+        weight.contiguous()
     } else {
-        weight
+        weight.tr().contiguous().tr()
     }
 }
 
@@ -489,21 +516,70 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_frozen_f32_cpu_matrix_is_kept_column_by_column_with_the_same_values() {
+    fn a_frozen_f32_cpu_matrix_is_kept_in_the_layout_its_route_multiplies_fastest_from() {
         let weight = Tensor::randn([24, 40], (Kind::Float, Device::Cpu));
-        let stored = gemm_layout(weight.copy());
-        assert_eq!(stored.size(), [24, 40]);
-        assert_eq!(stored.stride(), [1, 24], "the transpose is contiguous");
-        assert!(stored.equal(&weight));
         let x = Tensor::randn([3, 16, 40], (Kind::Float, Device::Cpu));
-        let (fast, plain) = (Linear::from_weight(stored).forward(&x), x.linear(&weight, None::<Tensor>));
-        let max_diff = crate::read_f64(&(fast - plain).abs().max());
-        assert!(max_diff < 1e-5, "{max_diff}");
+        let plain = x.linear(&weight, None::<Tensor>);
+        // Row by row for the few-row kernel, column by column for MKL; the values are the same.
+        for (kernel_runs, stride) in [(true, [40, 1]), (false, [1, 24])] {
+            let stored = f32_layout(weight.copy(), kernel_runs);
+            assert_eq!((stored.size(), stored.stride()), (vec![24, 40], stride.to_vec()));
+            assert!(stored.equal(&weight));
+            let max_diff = crate::read_f64(&(Linear::from_weight(stored).forward(&x) - &plain).abs().max());
+            assert!(max_diff < 1e-5, "{max_diff}");
+        }
+        // Too large a matrix for the kernel to read faster than MKL keeps the column layout.
+        let large =
+            Tensor::zeros([(FEW_ROWS_F32_MATRIX_BYTES / 4 / 1024) + 1, 1024], (Kind::Float, Device::Cpu));
+        assert_eq!(f32_layout(large, true).stride(), [1, FEW_ROWS_F32_MATRIX_BYTES / 4 / 1024 + 1]);
+    }
+
+    #[test]
+    fn an_f32_pass_of_few_rows_takes_the_kernel_where_it_runs_and_each_row_is_its_step() {
+        let weight = f32_layout(Tensor::randn([300, 67], (Kind::Float, Device::Cpu)), true);
+        let bias = Tensor::randn([300], (Kind::Float, Device::Cpu));
+        let rows = Tensor::randn([2, 8, 67], (Kind::Float, Device::Cpu));
+        let expected = if few_rows_kernel_runs() { Route::FewRows } else { Route::Libtorch };
+        assert_eq!(Route::of(&rows, &weight), expected);
+        assert_eq!(Route::of(&rows, &f32_layout(weight.copy(), false)), Route::Libtorch);
+        if !skinny_gemm::available() {
+            return;
+        }
+        let pass = few_rows(&rows, &weight, Some(&bias));
+        let exact = rows.linear(&weight, Some(&bias));
+        assert_eq!((pass.kind(), pass.size()), (Kind::Float, vec![2, 8, 300]));
+        assert!(crate::read_f64(&(&pass - exact).abs().max()) < 1e-4);
+        let step = few_rows(&rows.narrow(1, 3, 1).narrow(0, 1, 1), &weight, Some(&bias));
+        assert!(
+            step.equal(&pass.narrow(1, 3, 1).narrow(0, 1, 1)),
+            "a row is summed alike in a pass and a step"
+        );
+    }
+
+    #[test]
+    fn the_few_row_kernel_sums_as_closely_to_the_exact_product_as_mkl() {
+        if !skinny_gemm::available() {
+            return;
+        }
+        // Deterministic values spread over [-1, 1].
+        let spread = |n: i64, k: i64, step: f64| {
+            (Tensor::arange(n * k, (Kind::Double, Device::Cpu)) * step)
+                .sin()
+                .view([n, k])
+                .to_kind(Kind::Float)
+        };
+        let (weight, rows) = (spread(512, 2048, 0.7311), spread(16, 2048, 1.913));
+        let exact = rows.to_kind(Kind::Double).linear(&weight.to_kind(Kind::Double), None::<Tensor>);
+        let error = |y: Tensor| crate::read_f64(&(y.to_kind(Kind::Double) - &exact).abs().max());
+        let (kernel, mkl) =
+            (error(few_rows(&rows, &weight, None)), error(rows.linear(&weight, None::<Tensor>)));
+        println!("max |error| against f64: few-row kernel {kernel:.2e}, MKL {mkl:.2e}");
+        assert!(kernel <= 1.5 * mkl, "kernel {kernel:.2e}, MKL {mkl:.2e}");
     }
 
     #[test]
     fn a_half_precision_pass_on_a_cpu_without_the_dtypes_matrix_instructions_multiplies_in_f32() {
-        for (kind, format) in [(Kind::BFloat16, HalfFloat::BFloat16), (Kind::Half, HalfFloat::Float16)] {
+        for kind in [Kind::BFloat16, Kind::Half] {
             // 4,100 outputs of 67 inputs: two blocks of 1,956 and a short one for the f32 blocks,
             // column and input tails for the few-row kernel.
             let f32_weight = Tensor::randn([4100, 67], (Kind::Float, Device::Cpu));
@@ -513,7 +589,7 @@ mod tests {
             let row = rows.narrow(1, 0, 1).narrow(0, 0, 1);
             let expected = match (cpu_multiplies(kind), few_rows_run(&rows, &weight)) {
                 (true, _) => Route::Libtorch,
-                (false, true) => Route::FewRows(format),
+                (false, true) => Route::FewRows,
                 (false, false) => Route::F32Blocks,
             };
             assert_eq!(Route::of(&rows, &weight), expected, "{kind:?}");
@@ -532,9 +608,9 @@ mod tests {
                 ("f32 blocks", in_f32_blocks(&rows, &weight, Some(&bias))),
             ];
             if skinny_gemm::available() {
-                let pass = few_rows(&rows, &weight, Some(&bias), format);
+                let pass = few_rows(&rows, &weight, Some(&bias));
                 // Each row summed alike whatever the rows beside it: the step is the pass's first row.
-                let step = few_rows(&row, &weight, Some(&bias), format);
+                let step = few_rows(&row, &weight, Some(&bias));
                 assert!(step.equal(&pass.narrow(1, 0, 1).narrow(0, 0, 1)), "{kind:?}");
                 outputs.push(("few rows", pass));
             }

@@ -21,11 +21,22 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// The weight's 16-bit float format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HalfFloat {
-    BFloat16,
-    Float16,
+/// A weight matrix (n, k), row-major, in a format the kernel reads: bf16 or f16 bit patterns, or
+/// f32.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightRows<'a> {
+    BFloat16(&'a [u16]),
+    Float16(&'a [u16]),
+    Float32(&'a [f32]),
+}
+
+impl WeightRows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::BFloat16(bits) | Self::Float16(bits) => bits.len(),
+            Self::Float32(values) => values.len(),
+        }
+    }
 }
 
 /// Whether this CPU runs [`multiply`].
@@ -42,11 +53,11 @@ pub fn available() -> bool {
     }
 }
 
-/// `out (m, n) = x (m, k) · weightᵀ`, `weight` (n, k) row-major in `format`'s bits.
+/// `out (m, n) = x (m, k) · weightᵀ`.
 ///
 /// # Panics
 /// When the slices' lengths disagree with `m`, `k` and `n`, or [`available`] is false.
-pub fn multiply(x: &[f32], weight: &[u16], format: HalfFloat, [m, k, n]: [usize; 3], out: &mut [f32]) {
+pub fn multiply(x: &[f32], weight: WeightRows<'_>, [m, k, n]: [usize; 3], out: &mut [f32]) {
     assert_eq!(x.len(), m * k, "x is not (m, k)");
     assert_eq!(weight.len(), n * k, "the weight is not (n, k)");
     assert_eq!(out.len(), m * n, "out is not (m, n)");
@@ -55,10 +66,11 @@ pub fn multiply(x: &[f32], weight: &[u16], format: HalfFloat, [m, k, n]: [usize;
     // SAFETY: the CPU has the features (asserted) and the slices have the asserted lengths, which
     // are all the kernels read and write.
     unsafe {
-        let shape = Shape { m, k, n };
-        match format {
-            HalfFloat::BFloat16 => multiply_all::<Bf16>(x.as_ptr(), weight.as_ptr(), out.as_mut_ptr(), shape),
-            HalfFloat::Float16 => multiply_all::<F16>(x.as_ptr(), weight.as_ptr(), out.as_mut_ptr(), shape),
+        let (x, out, shape) = (x.as_ptr(), out.as_mut_ptr(), Shape { m, k, n });
+        match weight {
+            WeightRows::BFloat16(bits) => multiply_all::<Bf16>(x, bits.as_ptr(), out, shape),
+            WeightRows::Float16(bits) => multiply_all::<F16>(x, bits.as_ptr(), out, shape),
+            WeightRows::Float32(values) => multiply_all::<F32>(x, values.as_ptr(), out, shape),
         }
     }
 }
@@ -76,12 +88,31 @@ struct Shape {
 #[cfg(target_arch = "x86_64")]
 const BLOCK_COLUMNS: usize = 24;
 
-/// A 16-bit float format widened to f32.
+/// A float format widened to f32.
 #[cfg(target_arch = "x86_64")]
 trait Widen {
+    type Bits: Copy;
     /// Eight consecutive values as f32 lanes.
-    unsafe fn load8(p: *const u16) -> __m256;
-    fn widen(bits: u16) -> f32;
+    unsafe fn load8(p: *const Self::Bits) -> __m256;
+    fn widen(bits: Self::Bits) -> f32;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct F32;
+
+#[cfg(target_arch = "x86_64")]
+impl Widen for F32 {
+    type Bits = f32;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    fn widen(value: f32) -> f32 {
+        value
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -89,6 +120,8 @@ struct Bf16;
 
 #[cfg(target_arch = "x86_64")]
 impl Widen for Bf16 {
+    type Bits = u16;
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const u16) -> __m256 {
@@ -106,6 +139,8 @@ struct F16;
 
 #[cfg(target_arch = "x86_64")]
 impl Widen for F16 {
+    type Bits = u16;
+
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const u16) -> __m256 {
@@ -122,7 +157,7 @@ impl Widen for F16 {
 /// registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn multiply_all<W: Widen>(x: *const f32, w: *const u16, out: *mut f32, s: Shape) {
+unsafe fn multiply_all<W: Widen>(x: *const f32, w: *const W::Bits, out: *mut f32, s: Shape) {
     let full_blocks = s.n / BLOCK_COLUMNS * BLOCK_COLUMNS;
     for block in (0..full_blocks).step_by(BLOCK_COLUMNS) {
         for row in (0..s.m).step_by(4) {
@@ -155,7 +190,7 @@ unsafe fn multiply_all<W: Widen>(x: *const f32, w: *const u16, out: *mut f32, s:
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tiles<W: Widen, const R: usize, const C: usize>(
     x: *const f32,
-    w: *const u16,
+    w: *const W::Bits,
     out: *mut f32,
     s: Shape,
     row: usize,
@@ -174,7 +209,7 @@ unsafe fn tiles<W: Widen, const R: usize, const C: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<W: Widen, const R: usize, const C: usize>(
     x: *const f32,
-    w: *const u16,
+    w: *const W::Bits,
     out: *mut f32,
     s: Shape,
     row: usize,
@@ -228,20 +263,36 @@ mod tests {
         (0..count).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f32 / 1000.0 - 0.5).collect()
     }
 
-    fn to_bits(weight: &[f32], format: HalfFloat) -> Vec<u16> {
-        weight
-            .iter()
-            .map(|&v| match format {
-                HalfFloat::BFloat16 => half::bf16::from_f32(v).to_bits(),
-                HalfFloat::Float16 => half::f16::from_f32(v).to_bits(),
-            })
-            .collect()
+    /// A weight in each format, with its values as the kernel reads them.
+    enum Stored {
+        BFloat16(Vec<u16>),
+        Float16(Vec<u16>),
+        Float32(Vec<f32>),
     }
 
-    fn widen(bits: u16, format: HalfFloat) -> f64 {
-        match format {
-            HalfFloat::BFloat16 => f64::from(half::bf16::from_bits(bits).to_f32()),
-            HalfFloat::Float16 => f64::from(half::f16::from_bits(bits).to_f32()),
+    impl Stored {
+        fn all(weight: &[f32]) -> [Stored; 3] {
+            [
+                Stored::BFloat16(weight.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()),
+                Stored::Float16(weight.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()),
+                Stored::Float32(weight.to_vec()),
+            ]
+        }
+
+        fn rows(&self) -> WeightRows<'_> {
+            match self {
+                Stored::BFloat16(bits) => WeightRows::BFloat16(bits),
+                Stored::Float16(bits) => WeightRows::Float16(bits),
+                Stored::Float32(values) => WeightRows::Float32(values),
+            }
+        }
+
+        fn value(&self, i: usize) -> f64 {
+            f64::from(match self {
+                Stored::BFloat16(bits) => half::bf16::from_bits(bits[i]).to_f32(),
+                Stored::Float16(bits) => half::f16::from_bits(bits[i]).to_f32(),
+                Stored::Float32(values) => values[i],
+            })
         }
     }
 
@@ -253,19 +304,19 @@ mod tests {
         // Inputs with and without a tail past the eight lanes; outputs short of one block, one
         // block and a tail, several blocks; every count of rows in a group of four, and two groups.
         for (k, n) in [(3, 5), (8, 24), (67, 53), (192, 100)] {
-            for format in [HalfFloat::BFloat16, HalfFloat::Float16] {
-                let weight = to_bits(&values(n * k, 1), format);
+            for weight in Stored::all(&values(n * k, 1)) {
                 for m in [1, 2, 3, 4, 5, 7, 9] {
                     let x = values(m * k, m);
                     let mut out = vec![f32::NAN; m * n];
-                    multiply(&x, &weight, format, [m, k, n], &mut out);
+                    multiply(&x, weight.rows(), [m, k, n], &mut out);
                     for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
                         let exact: f64 =
-                            (0..k).map(|t| f64::from(x[i * k + t]) * widen(weight[j * k + t], format)).sum();
+                            (0..k).map(|t| f64::from(x[i * k + t]) * weight.value(j * k + t)).sum();
                         let got = f64::from(out[i * n + j]);
+                        let format = weight.rows();
                         assert!(
                             (got - exact).abs() <= 1e-5 * (1.0 + exact.abs()),
-                            "{format:?} {m}x{k}x{n} [{i}, {j}]"
+                            "{m}x{k}x{n} [{i}, {j}] of {format:?}"
                         );
                     }
                 }
@@ -279,20 +330,21 @@ mod tests {
             return;
         }
         let (k, n) = (100, 61);
-        let weight = to_bits(&values(n * k, 2), HalfFloat::BFloat16);
         let x = values(16 * k, 3);
-        let mut pass = vec![0.0; 16 * n];
-        multiply(&x, &weight, HalfFloat::BFloat16, [16, k, n], &mut pass);
-        for (m, first) in [(1, 0), (3, 5), (4, 12)] {
-            let mut part = vec![0.0; m * n];
-            multiply(&x[first * k..(first + m) * k], &weight, HalfFloat::BFloat16, [m, k, n], &mut part);
-            assert_eq!(part, pass[first * n..(first + m) * n], "rows {first}..{}", first + m);
+        for weight in Stored::all(&values(n * k, 2)) {
+            let mut pass = vec![0.0; 16 * n];
+            multiply(&x, weight.rows(), [16, k, n], &mut pass);
+            for (m, first) in [(1, 0), (3, 5), (4, 12)] {
+                let mut part = vec![0.0; m * n];
+                multiply(&x[first * k..(first + m) * k], weight.rows(), [m, k, n], &mut part);
+                assert_eq!(part, pass[first * n..(first + m) * n], "rows {first}..{}", first + m);
+            }
         }
     }
 
     #[test]
     #[should_panic(expected = "the weight is not (n, k)")]
     fn a_weight_of_the_wrong_size_is_refused() {
-        multiply(&[0.0; 8], &[0; 15], HalfFloat::BFloat16, [1, 8, 2], &mut [0.0; 2]);
+        multiply(&[0.0; 8], WeightRows::BFloat16(&[0; 15]), [1, 8, 2], &mut [0.0; 2]);
     }
 }
