@@ -174,6 +174,8 @@ fn few_rows(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
         )
     };
     let stored = weight.data_ptr();
+    // SAFETY: as above; the element type read is the weight's kind (f32 for the rest, which
+    // `Route::of` lets through as f32 only).
     let weight_rows = unsafe {
         match weight.kind() {
             Kind::BFloat16 => WeightRows::BFloat16(std::slice::from_raw_parts(stored as *const u16, n * k)),

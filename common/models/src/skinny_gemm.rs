@@ -66,11 +66,11 @@ pub fn multiply(x: &[f32], weight: WeightRows<'_>, [m, k, n]: [usize; 3], out: &
     // SAFETY: the CPU has the features (asserted) and the slices have the asserted lengths, which
     // are all the kernels read and write.
     unsafe {
-        let (x, out, shape) = (x.as_ptr(), out.as_mut_ptr(), Shape { m, k, n });
+        let (x, out, s) = (x.as_ptr(), out.as_mut_ptr(), Shape { m, k, n });
         match weight {
-            WeightRows::BFloat16(bits) => multiply_all::<Bf16>(x, bits.as_ptr(), out, shape),
-            WeightRows::Float16(bits) => multiply_all::<F16>(x, bits.as_ptr(), out, shape),
-            WeightRows::Float32(values) => multiply_all::<F32>(x, values.as_ptr(), out, shape),
+            WeightRows::BFloat16(bits) => multiply_all::<Bf16>(Operands { x, w: bits.as_ptr(), out, s }),
+            WeightRows::Float16(bits) => multiply_all::<F16>(Operands { x, w: bits.as_ptr(), out, s }),
+            WeightRows::Float32(values) => multiply_all::<F32>(Operands { x, w: values.as_ptr(), out, s }),
         }
     }
 }
@@ -81,6 +81,16 @@ struct Shape {
     m: usize,
     k: usize,
     n: usize,
+}
+
+/// A call's operands: `x` (m, k), the weight (n, k) in `B`, `out` (m, n), all row-major.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Operands<B> {
+    x: *const f32,
+    w: *const B,
+    out: *mut f32,
+    s: Shape,
 }
 
 /// Output columns per block: a multiple of every tile width below, so that a block's weight rows
@@ -157,16 +167,17 @@ impl Widen for F16 {
 /// registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn multiply_all<W: Widen>(x: *const f32, w: *const W::Bits, out: *mut f32, s: Shape) {
+unsafe fn multiply_all<W: Widen>(ops: Operands<W::Bits>) {
+    let s = ops.s;
     let full_blocks = s.n / BLOCK_COLUMNS * BLOCK_COLUMNS;
     for block in (0..full_blocks).step_by(BLOCK_COLUMNS) {
         for row in (0..s.m).step_by(4) {
             unsafe {
                 match s.m - row {
-                    1 => tiles::<W, 1, 8>(x, w, out, s, row, block, BLOCK_COLUMNS),
-                    2 => tiles::<W, 2, 6>(x, w, out, s, row, block, BLOCK_COLUMNS),
-                    3 => tiles::<W, 3, 4>(x, w, out, s, row, block, BLOCK_COLUMNS),
-                    _ => tiles::<W, 4, 3>(x, w, out, s, row, block, BLOCK_COLUMNS),
+                    1 => tiles::<W, 1, 8>(ops, row, block, BLOCK_COLUMNS),
+                    2 => tiles::<W, 2, 6>(ops, row, block, BLOCK_COLUMNS),
+                    3 => tiles::<W, 3, 4>(ops, row, block, BLOCK_COLUMNS),
+                    _ => tiles::<W, 4, 3>(ops, row, block, BLOCK_COLUMNS),
                 }
             }
         }
@@ -175,10 +186,10 @@ unsafe fn multiply_all<W: Widen>(x: *const f32, w: *const W::Bits, out: *mut f32
         let width = s.n - full_blocks;
         unsafe {
             match s.m - row {
-                1 => tiles::<W, 1, 1>(x, w, out, s, row, full_blocks, width),
-                2 => tiles::<W, 2, 1>(x, w, out, s, row, full_blocks, width),
-                3 => tiles::<W, 3, 1>(x, w, out, s, row, full_blocks, width),
-                _ => tiles::<W, 4, 1>(x, w, out, s, row, full_blocks, width),
+                1 => tiles::<W, 1, 1>(ops, row, full_blocks, width),
+                2 => tiles::<W, 2, 1>(ops, row, full_blocks, width),
+                3 => tiles::<W, 3, 1>(ops, row, full_blocks, width),
+                _ => tiles::<W, 4, 1>(ops, row, full_blocks, width),
             }
         }
     }
@@ -189,16 +200,13 @@ unsafe fn multiply_all<W: Widen>(x: *const f32, w: *const W::Bits, out: *mut f32
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tiles<W: Widen, const R: usize, const C: usize>(
-    x: *const f32,
-    w: *const W::Bits,
-    out: *mut f32,
-    s: Shape,
+    ops: Operands<W::Bits>,
     row: usize,
     first: usize,
     width: usize,
 ) {
     for column in (first..first + width).step_by(C) {
-        unsafe { tile::<W, R, C>(x, w, out, s, row, column) };
+        unsafe { tile::<W, R, C>(ops, row, column) };
     }
 }
 
@@ -207,14 +215,8 @@ unsafe fn tiles<W: Widen, const R: usize, const C: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<W: Widen, const R: usize, const C: usize>(
-    x: *const f32,
-    w: *const W::Bits,
-    out: *mut f32,
-    s: Shape,
-    row: usize,
-    column: usize,
-) {
+unsafe fn tile<W: Widen, const R: usize, const C: usize>(ops: Operands<W::Bits>, row: usize, column: usize) {
+    let Operands { x, w, out, s } = ops;
     let body = s.k / 8 * 8;
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     unsafe {
