@@ -3,8 +3,9 @@
 //! `text`), loaded unchanged from Hugging Face model directories with their typed `config.json`
 //! (`config`), checkpoint reading (`weights`), the preallocated KV cache, decoding (`decode`), the
 //! sampler (`sampling`), what a pass reads back per row (`readout`: the choice, the entropy, the
-//! log-probabilities) and the few-row bf16/f16 matrix product for CPUs without those dtypes'
-//! matrix instructions (`skinny_gemm`, chosen by `layers::linear`).
+//! log-probabilities) and the few-row matrix product for CPUs (`skinny_gemm`: bf16 and f16
+//! weights where the CPU has no matrix instructions for them, small f32 ones; chosen by
+//! `layers::linear`).
 
 pub mod config;
 pub mod decode;
