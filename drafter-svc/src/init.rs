@@ -2,10 +2,12 @@
 //! point of training. Writes a DFlash-style model directory (`config.json` as the public DFlash
 //! checkpoints spell it, `model.safetensors` with DFlash's tensor names), or an EAGLE-3 one (as
 //! EAGLE and SpecForge save theirs), whose dimensions follow the target's language model.
-//! Initialization as transformers' PreTrainedModel does it: matrices N(0, std), RMSNorm weights 1.
+//! Initialization as transformers' PreTrainedModel does it: matrices N(0, std), RMSNorm weights 1;
+//! a block head's layers may instead start as copies of target layers (`copy_target_layers`).
 //! Seeded with a private generator, so the same spec gives the same bytes whatever else runs in
 //! the process.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::{json, Value};
@@ -54,6 +56,11 @@ pub struct HeadSpec {
     pub output_norm_init: f64,
     /// Stored dtype: F32, BF16 or F16.
     pub dtype: Kind,
+    /// Start the head's layers as copies of these target layers (one per head layer), for a head
+    /// trained on little data: their attention and MLP matrices and norms (q/k norms too where the
+    /// target has them, else 1), `fc` the identity on the last tap and `hidden_norm` the first
+    /// copied layer's input norm, so the context keys and values start as that layer's own.
+    pub copy_target_layers: Option<Vec<usize>>,
 }
 
 impl HeadSpec {
@@ -69,6 +76,7 @@ impl HeadSpec {
             init_std: 0.02,
             output_norm_init: 1.0,
             dtype: Kind::Float,
+            copy_target_layers: None,
         }
     }
 }
@@ -103,7 +111,10 @@ pub fn write_random_head(
     let config = head_config_json(&target, spec, &taps, mask);
     save::create_dir(out_dir)?;
     save::write_json(&out_dir.join("config.json"), &config)?;
-    let tensors = random_weights(&target, spec, taps.len() as i64);
+    let mut tensors = random_weights(&target, spec, taps.len() as i64);
+    if let Some(layers) = &spec.copy_target_layers {
+        copy_target_layers(target_dir, &target, layers, &mut tensors, spec.dtype)?;
+    }
     save::write_safetensors(&out_dir.join("model.safetensors"), &tensors)?;
     Ok(DraftHeadConfig::load(out_dir, Some(target.num_layers))?)
 }
@@ -117,6 +128,17 @@ fn check_spec(spec: &HeadSpec, target: &TextConfig) -> Result<(), InitError> {
     }
     if spec.tap_layers.as_ref().is_some_and(|t| t.is_empty()) {
         return Err(InitError::Spec("empty tap layer list".into()));
+    }
+    if let Some(copied) = &spec.copy_target_layers {
+        if copied.len() != spec.layers || copied.iter().any(|&l| l >= target.num_layers) {
+            return Err(InitError::Spec(format!(
+                "copy target layers {copied:?}: one per head layer ({}) of the target's {}",
+                spec.layers, target.num_layers
+            )));
+        }
+        if spec.intermediate_size.is_some_and(|i| i != target.intermediate_size) {
+            return Err(InitError::Spec("copied target layers keep the target's MLP width".into()));
+        }
     }
     if target.num_layers < 4 && spec.tap_layers.is_none() {
         // DFlash's rule spreads taps over layers 1..n−3, which needs at least 4 target layers.
@@ -248,6 +270,83 @@ fn random_weights(target: &TextConfig, spec: &HeadSpec, taps: i64) -> Vec<(Strin
             (name, tensor.to_kind(spec.dtype))
         })
         .collect()
+}
+
+/// Overwrites the head layers' tensors with the target layers `layers` (head layer i from target
+/// layer `layers[i]`), `fc` with the identity on the last tap's block and `hidden_norm` with the
+/// first copied layer's input norm. The head's q/k norms stay 1 where the target has none (Llama).
+fn copy_target_layers(
+    target_dir: &Path,
+    target: &TextConfig,
+    layers: &[usize],
+    tensors: &mut [(String, Tensor)],
+    dtype: Kind,
+) -> Result<(), InitError> {
+    let wanted = copy_sources(layers, tensors);
+    let found = read_copy_sources(target_dir, &wanted)?;
+    for (name, sources) in &wanted {
+        let Some(value) = sources.iter().find_map(|s| found.get(s)) else {
+            if name.ends_with("q_norm.weight") || name.ends_with("k_norm.weight") {
+                continue; // a target without q/k norms (Llama): the head's stay 1
+            }
+            return Err(InitError::Spec(format!("the target has no {}", sources.join(" or "))));
+        };
+        let Some((_, slot)) = tensors.iter_mut().find(|(n, _)| n == name) else { continue };
+        if slot.size() != value.size() {
+            return Err(InitError::Spec(format!(
+                "{name} is {:?}, the target's {} is {:?}",
+                slot.size(),
+                sources[0],
+                value.size()
+            )));
+        }
+        *slot = value.to_kind(dtype);
+    }
+    let d = target.hidden_size;
+    if let Some((_, fc)) = tensors.iter_mut().find(|(n, _)| n == "fc.weight") {
+        let taps = fc.size()[1] / d;
+        let identity = Tensor::eye(d, (Kind::Float, tch::Device::Cpu));
+        let zeros = Tensor::zeros([d, (taps - 1) * d], (Kind::Float, tch::Device::Cpu));
+        *fc = Tensor::cat(&[zeros, identity], 1).to_kind(dtype);
+    }
+    Ok(())
+}
+
+/// Each head tensor a copy overwrites, with the target's names for its source (the transformers
+/// 5.x and 4.x spellings).
+fn copy_sources(layers: &[usize], tensors: &[(String, Tensor)]) -> Vec<(String, Vec<String>)> {
+    const PREFIXES: [&str; 2] = ["model.language_model.layers", "model.layers"];
+    let spellings =
+        |layer: usize, suffix: &str| PREFIXES.iter().map(|p| format!("{p}.{layer}.{suffix}")).collect();
+    let mut wanted = Vec::new();
+    for (i, &layer) in layers.iter().enumerate() {
+        let prefix = format!("layers.{i}.");
+        for (name, _) in tensors.iter().filter(|(n, _)| n.starts_with(&prefix)) {
+            wanted.push((name.clone(), spellings(layer, &name[prefix.len()..])));
+        }
+    }
+    wanted.push(("hidden_norm.weight".into(), spellings(layers[0], "input_layernorm.weight")));
+    wanted
+}
+
+/// The target tensors `wanted` names, refusing a target whose copied layers have biases (Qwen2-
+/// style attention, Llama's `mlp_bias`): a DFlash head's layers have none, so they would be lost.
+fn read_copy_sources(
+    target_dir: &Path,
+    wanted: &[(String, Vec<String>)],
+) -> Result<HashMap<String, Tensor>, InitError> {
+    let sources = || wanted.iter().flat_map(|(_, s)| s.iter());
+    let biases: Vec<String> =
+        sources().filter(|s| s.ends_with("_proj.weight")).map(|s| s.replace(".weight", ".bias")).collect();
+    let names: Vec<&str> = sources().chain(&biases).map(String::as_str).collect();
+    let found = glance_models::weights::read_named_tensors(target_dir, &names, Kind::Float, tch::Device::Cpu)
+        .map_err(|e| InitError::Head(e.into()))?;
+    match biases.iter().find(|b| found.contains_key(b.as_str())) {
+        Some(bias) => Err(InitError::Spec(format!(
+            "cannot copy target layers with biases ({bias}): a DFlash head's layers have none"
+        ))),
+        None => Ok(found),
+    }
 }
 
 /// N(0, std) entries from a stream seeded by (seed, tensor name), so one tensor's values do not

@@ -157,6 +157,10 @@ struct HeadShapeArgs {
     /// Initial weight of the head's final norm (below 1: smaller first logits, see HeadSpec).
     #[arg(long, default_value_t = 1.0)]
     output_norm_init: f64,
+    /// Start the head's layers as copies of these target layers, one per head layer (a head
+    /// trained on little data starts from the target's own weights; see HeadSpec).
+    #[arg(long, value_delimiter = ',')]
+    copy_target_layers: Option<Vec<usize>>,
 }
 
 impl HeadShapeArgs {
@@ -165,6 +169,7 @@ impl HeadShapeArgs {
             tap_layers: self.taps,
             mask_token_id: self.mask_token_id,
             output_norm_init: self.output_norm_init,
+            copy_target_layers: self.copy_target_layers,
             ..drafter_svc::init::HeadSpec::new(self.layers, self.block_size, seed)
         }
     }

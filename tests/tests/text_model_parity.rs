@@ -245,3 +245,46 @@ fn batched_greedy_keeps_the_states_of_a_teacher_forced_pass() {
         );
     }
 }
+
+/// A draft head started from target layers (`HeadSpec::copy_target_layers`) holds their weights
+/// under the DFlash names (Qwen3's q/k norms too), `fc` the identity on the last tap and
+/// `hidden_norm` the first copied layer's input norm; a list that is not one layer per head layer
+/// is refused, and so is a target whose layers have biases (the tiny Llama's), which a DFlash head
+/// has not. (SmolLM2, a Llama without biases or q/k norms, leaves the head's q/k norms at 1.)
+#[test]
+fn a_head_started_from_target_layers_holds_their_weights() {
+    use drafter_svc::init::{write_random_head, HeadSpec};
+    use glance_models::weights::read_named_tensors;
+    let Some(root) = fixtures() else { return };
+    let spec = HeadSpec {
+        tap_layers: Some(vec![0, 1]),
+        copy_target_layers: Some(vec![2, 1]),
+        ..HeadSpec::new(2, 16, 3)
+    };
+    let out = std::env::temp_dir().join(format!("glance-copied-head-{}", std::process::id()));
+    let err = write_random_head(&root.join("tiny-llama"), &out, &spec).unwrap_err();
+    assert!(err.to_string().contains("biases (model.layers.2."), "{err}");
+
+    let target = root.join("tiny-qwen3");
+    write_random_head(&target, &out, &spec).expect("copied head");
+    let load = |dir: &Path, name: &str| {
+        let mut found = read_named_tensors(dir, &[name], Kind::Float, tch::Device::Cpu).unwrap();
+        found.remove(name).unwrap_or_else(|| panic!("{name} in {}", dir.display()))
+    };
+    for (head_layer, target_layer) in [(0, 2), (1, 1)] {
+        for suffix in ["self_attn.q_proj.weight", "self_attn.q_norm.weight", "mlp.down_proj.weight"] {
+            let copied = load(&out, &format!("layers.{head_layer}.{suffix}"));
+            let source = load(&target, &format!("model.layers.{target_layer}.{suffix}"));
+            assert!(copied.equal(&source), "layers.{head_layer}.{suffix}");
+        }
+    }
+    assert!(load(&out, "hidden_norm.weight").equal(&load(&target, "model.layers.2.input_layernorm.weight")));
+    let fc = load(&out, "fc.weight");
+    let d = fc.size()[0];
+    assert!(fc.narrow(1, d, d).equal(&Tensor::eye(d, (Kind::Float, tch::Device::Cpu))), "fc: the last tap");
+    assert_eq!(fc.narrow(1, 0, d).abs().sum(Kind::Float).double_value(&[]), 0.0, "fc: the other tap");
+    let bad = HeadSpec { copy_target_layers: Some(vec![1]), ..spec };
+    let err = write_random_head(&target, &out, &bad).unwrap_err();
+    assert!(err.to_string().contains("one per head layer"), "{err}");
+    std::fs::remove_dir_all(&out).ok();
+}
