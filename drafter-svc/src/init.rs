@@ -109,12 +109,13 @@ pub fn write_random_head(
         )));
     }
     let config = head_config_json(&target, spec, &taps, mask);
-    save::create_dir(out_dir)?;
-    save::write_json(&out_dir.join("config.json"), &config)?;
     let mut tensors = random_weights(&target, spec, taps.len() as i64);
     if let Some(layers) = &spec.copy_target_layers {
+        // Before anything is written: a refused copy leaves no half-made head directory.
         copy_target_layers(target_dir, &target, layers, &mut tensors, spec.dtype)?;
     }
+    save::create_dir(out_dir)?;
+    save::write_json(&out_dir.join("config.json"), &config)?;
     save::write_safetensors(&out_dir.join("model.safetensors"), &tensors)?;
     Ok(DraftHeadConfig::load(out_dir, Some(target.num_layers))?)
 }
@@ -315,9 +316,9 @@ fn copy_target_layers(
 /// Each head tensor a copy overwrites, with the target's names for its source (the transformers
 /// 5.x and 4.x spellings).
 fn copy_sources(layers: &[usize], tensors: &[(String, Tensor)]) -> Vec<(String, Vec<String>)> {
-    const PREFIXES: [&str; 2] = ["model.language_model.layers", "model.layers"];
-    let spellings =
-        |layer: usize, suffix: &str| PREFIXES.iter().map(|p| format!("{p}.{layer}.{suffix}")).collect();
+    let spellings = |layer: usize, suffix: &str| {
+        glance_models::weights::spellings(&format!("model.language_model.layers.{layer}.{suffix}"))
+    };
     let mut wanted = Vec::new();
     for (i, &layer) in layers.iter().enumerate() {
         let prefix = format!("layers.{i}.");

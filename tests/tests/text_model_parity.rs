@@ -264,6 +264,7 @@ fn a_head_started_from_target_layers_holds_their_weights() {
     let out = std::env::temp_dir().join(format!("glance-copied-head-{}", std::process::id()));
     let err = write_random_head(&root.join("tiny-llama"), &out, &spec).unwrap_err();
     assert!(err.to_string().contains("biases (model.layers.2."), "{err}");
+    assert!(!out.exists(), "a refused copy writes nothing");
 
     let target = root.join("tiny-qwen3");
     write_random_head(&target, &out, &spec).expect("copied head");

@@ -223,6 +223,12 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, WeightsError> {
     Err(WeightsError::NoWeights(dir.to_path_buf()))
 }
 
+/// A transformers-5.x weight name followed by its 4.x hub spellings: the names to try, in order,
+/// for a tensor of a checkpoint saved by either.
+pub fn spellings(name: &str) -> Vec<String> {
+    std::iter::once(name.to_string()).chain(legacy_names(name)).collect()
+}
+
 /// The transformers-4.x hub names of a 5.x weight name.
 fn legacy_names(name: &str) -> Vec<String> {
     if let Some(rest) = name.strip_prefix("model.language_model.") {
@@ -290,7 +296,7 @@ fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
 /// Row 0 of the input embedding (5.x or 4.x name) as f32 values, read without the rest.
 fn first_embedding_row(dir: &Path) -> Result<Vec<f32>, WeightsError> {
     const NAME: &str = "model.language_model.embed_tokens.weight";
-    let candidates: Vec<String> = std::iter::once(NAME.to_string()).chain(legacy_names(NAME)).collect();
+    let candidates = spellings(NAME);
     for file in weight_files(dir)? {
         let header = SafetensorsHeader::read(&file)?;
         for name in &candidates {
