@@ -239,6 +239,14 @@ struct TrainArgs {
     /// Loss decay over block offsets (7 for B = 16).
     #[arg(long, default_value_t = 7.0)]
     gamma: f64,
+    /// Self-distillation: keep the target's top-k distribution at every training response token
+    /// (one more teacher-forced pass per row, cached beside the rows) and mix its cross-entropy
+    /// into each label's loss; 0: the greedy token alone.
+    #[arg(long, default_value_t = 0)]
+    distill_top_k: usize,
+    /// The soft labels' share of each label's loss (with --distill-top-k).
+    #[arg(long, default_value_t = 0.5)]
+    distill_weight: f64,
     #[arg(long, default_value_t = 500)]
     eval_every: usize,
     #[arg(long, default_value_t = 500)]
@@ -486,6 +494,7 @@ fn train(args: TrainArgs) -> Result<(), String> {
         peak_lr: args.lr,
         warmup_ratio: args.warmup_ratio,
         gamma: args.gamma,
+        distill: distill(args.distill_top_k, args.distill_weight)?,
         eval_every: args.eval_every,
         checkpoint_every: args.checkpoint_every,
         resume: args.resume,
@@ -499,6 +508,11 @@ fn train(args: TrainArgs) -> Result<(), String> {
         save_kind: glance_models::weights::parse_kind(&args.save_dtype)
             .ok_or_else(|| format!("--save-dtype: f32, bf16 or f16, not {}", args.save_dtype))?,
     };
+    if config.distill.is_some() && matches!(args.kind, HeadKind::Eagle3) {
+        return Err(
+            "--distill-top-k trains the block head; EAGLE-3's training-time test scores greedy tokens".into(),
+        );
+    }
     let trained = match args.kind {
         HeadKind::BlockHead => {
             tokio::task::block_in_place(|| drafter_svc::train::train(&config, |line| println!("{line}")))
@@ -517,6 +531,14 @@ fn train(args: TrainArgs) -> Result<(), String> {
         }
     };
     trained.map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// `--distill-top-k` / `--distill-weight` as a training option (None without soft labels).
+fn distill(top_k: usize, weight: f64) -> Result<Option<drafter_svc::train::Distill>, String> {
+    if !(0.0..=1.0).contains(&weight) {
+        return Err(format!("--distill-weight is a share of the loss, in [0, 1], not {weight}"));
+    }
+    Ok((top_k > 0).then_some(drafter_svc::train::Distill { top_k, weight }))
 }
 
 /// Resolves on SIGTERM (or Ctrl-C) once the drain has begun: readiness NOT_SERVING, new sessions

@@ -5,7 +5,9 @@
 //! 2. one teacher-forced target pass per row gives the tap states, cached on disk too;
 //! 3. each step samples anchors among a row's response positions; each block sees the context
 //!    strictly before its anchor and its own block bidirectionally;
-//! 4. cross-entropy on the same-position labels, weighted exp(−(k−1)/γ), over the full vocabulary
+//! 4. cross-entropy on the same-position labels, weighted exp(−(k−1)/γ) (with `--distill-top-k`,
+//!    mixed with the cross-entropy against the target's own top-k distribution there, kept from
+//!    one more teacher-forced pass per row and cached too), over the full vocabulary
 //!    or (`--loss-vocab`) a sampled softmax: the step's labels, the training responses' most
 //!    frequent tokens, the head's own current top predictions (hard negatives, refreshed every
 //!    few steps) and a few uniform negatives, which cuts the LM-head cost of a large vocabulary
@@ -88,6 +90,8 @@ pub struct TrainConfig {
     pub warmup_ratio: f64,
     /// Loss decay: weight of offset k is exp(−(k−1)/γ).
     pub gamma: f64,
+    /// Soft labels from the target's own distribution (None: the greedy token alone).
+    pub distill: Option<Distill>,
     pub eval_every: usize,
     pub checkpoint_every: usize,
     pub resume: bool,
@@ -99,6 +103,39 @@ pub struct TrainConfig {
     /// The dtype `model.safetensors` is written in (training itself runs in f32; with another
     /// dtype the f32 weights go into the training state, so a resumed run continues from them).
     pub save_kind: Kind,
+}
+
+/// Self-distillation: each label's loss mixes in the cross-entropy against the target's top-k
+/// next-token distribution at that position (renormalized over the k), so a row teaches the
+/// head which tokens the target nearly chose as well as the one it chose.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Distill {
+    /// Tokens of the target's distribution kept per position.
+    pub top_k: usize,
+    /// The soft term's share of the loss (1 − weight stays on the greedy token).
+    pub weight: f64,
+}
+
+/// How a block's loss is weighed: the decay over offsets and the soft labels' share.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossWeights {
+    pub gamma: f64,
+    /// The soft term's share where the row has the target's distribution (0: hard labels only).
+    pub distill: f64,
+}
+
+impl LossWeights {
+    /// The greedy token's cross-entropy alone.
+    pub fn hard(gamma: f64) -> Self {
+        Self { gamma, distill: 0.0 }
+    }
+}
+
+impl TrainConfig {
+    /// The block loss's weighing under this configuration.
+    pub fn loss_weights(&self) -> LossWeights {
+        LossWeights { gamma: self.gamma, distill: self.distill.map_or(0.0, |d| d.weight) }
+    }
 }
 
 /// Which vocabulary rows the training loss scores.
@@ -121,11 +158,23 @@ pub enum Scored<'a> {
 }
 
 /// A training row: the full sequence (prompt + the target's greedy response), where the response
-/// starts, and the target's tap states for every position.
+/// starts, the target's tap states for every position and (when distilling) its distribution
+/// at every response token.
 pub struct Row {
     pub tokens: Vec<i64>,
     pub response_start: usize,
     pub states: Tensor,
+    pub teacher: Option<TeacherTop>,
+}
+
+/// The target's top-k next-token distribution at each response token of a row, row-major
+/// (response length × k): entry i·k + j is the j-th likeliest token where `response[i]` was
+/// chosen, its probability renormalized over the k (so `ids[i·k]` is the greedy token itself).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TeacherTop {
+    pub k: usize,
+    pub ids: Vec<i64>,
+    pub probs: Vec<f32>,
 }
 
 impl Row {
@@ -165,6 +214,7 @@ pub fn train(config: &TrainConfig, mut log: impl FnMut(&str)) -> Result<Acceptan
         taps: &taps,
         cache: config.out.join("regenerated.jsonl"),
         batch: config.regen_batch,
+        teacher_top: config.distill.map_or(0, |d| d.top_k),
     };
     let train_rows = builder.build(&config.data, false, config.rows)?;
     let held_out = builder.build(&config.data, true, config.held_out_rows)?;
@@ -381,6 +431,9 @@ pub(crate) struct RowBuilder<'a> {
     pub(crate) cache: PathBuf,
     /// Prompts regenerated together (one target pass per step for all).
     pub(crate) batch: usize,
+    /// Keep the target's top-k distribution at each training row's response tokens (0: none;
+    /// held-out rows are scored by acceptance alone and never get one).
+    pub(crate) teacher_top: usize,
 }
 
 impl RowBuilder<'_> {
@@ -402,6 +455,11 @@ impl RowBuilder<'_> {
             "tap_states.train.safetensors"
         });
         let mut cached = read_state_cache(&path);
+        let teacher_top = if held_out { 0 } else { self.teacher_top };
+        let teacher_path = self.cache.with_file_name(format!("teacher_top{teacher_top}.train.safetensors"));
+        let mut teachers = if teacher_top > 0 { read_state_cache(&teacher_path) } else { Default::default() };
+        let mut taught = Vec::new();
+        let mut teachers_computed = 0;
         let mut known = read_row_cache(&self.cache)?;
         let bar = progress_bar(messages.len(), 0);
         let mut rows = Vec::with_capacity(messages.len());
@@ -429,8 +487,24 @@ impl RowBuilder<'_> {
                         }
                     }
                 };
+                let teacher = match teacher_top {
+                    0 => None,
+                    k => {
+                        let cached = cached_teacher(&mut teachers, &name, response.len(), k);
+                        let (ids, probs) = match cached {
+                            Some(pair) => pair,
+                            None => {
+                                teachers_computed += 1;
+                                teacher_top_k(self.target, inputs, &response, k)?
+                            }
+                        };
+                        taught.push((format!("{name}.ids"), ids.shallow_clone()));
+                        taught.push((format!("{name}.probs"), probs.shallow_clone()));
+                        Some(TeacherTop::from_tensors(&ids, &probs))
+                    }
+                };
                 let tokens = inputs.input_ids.iter().chain(&response).copied().collect();
-                rows.push(Row { tokens, response_start: inputs.input_ids.len(), states });
+                rows.push(Row { tokens, response_start: inputs.input_ids.len(), states, teacher });
                 names.push(name);
                 bar.inc(1);
             }
@@ -445,6 +519,11 @@ impl RowBuilder<'_> {
                 .map(|(n, r)| (n, r.states.to_device(Device::Cpu)))
                 .collect();
             save::write_safetensors(&path, &named)?;
+        }
+        if teachers_computed > 0 {
+            let mut seen = std::collections::HashSet::new();
+            taught.retain(|(name, _)| seen.insert(name.clone())); // a repeated prompt is one entry
+            save::write_safetensors(&teacher_path, &taught)?;
         }
         Ok(rows)
     }
@@ -593,6 +672,59 @@ fn teacher_forced_states(
     })
 }
 
+/// A row's teacher distribution from an earlier run's cache, (ids, probs), removed from it.
+/// (An entry of another shape than (`rows`, `k`) is not this row's: it is recomputed.)
+fn cached_teacher(
+    cache: &mut std::collections::HashMap<String, Tensor>,
+    name: &str,
+    rows: usize,
+    k: usize,
+) -> Option<(Tensor, Tensor)> {
+    let ids = cache.remove(&format!("{name}.ids"))?;
+    let probs = cache.remove(&format!("{name}.probs"))?;
+    let fits = |t: &Tensor| t.size() == [rows as i64, k as i64];
+    (fits(&ids) && fits(&probs)).then_some((ids, probs))
+}
+
+/// The target's top-`k` next-token distribution at each response token, renormalized over the
+/// k: ids (m, k) int64 and probabilities (m, k) f32 on the host, row i the distribution
+/// `response[i]` was chosen from (the prompt's last row, then the response's own rows in one
+/// teacher-forced pass).
+pub fn teacher_top_k(
+    target: &TargetModel,
+    inputs: &ModelInputs,
+    response: &[i64],
+    k: usize,
+) -> Result<(Tensor, Tensor), TrainError> {
+    let _no_grad = tch::no_grad_guard();
+    let shorter = &response[..response.len().saturating_sub(1)];
+    let pass = teacher_forced(target, inputs, shorter, &[], LogitRows::All)
+        .map_err(|e| TrainError::Target(e.to_string()))?;
+    let logits = match pass.continuation.and_then(|out| out.logits) {
+        Some(rows) => Tensor::cat(&[pass.prompt_logits, rows], 0),
+        None => pass.prompt_logits,
+    };
+    let logits = logits.narrow(0, 0, response.len() as i64).to_kind(Kind::Float);
+    let k = (k as i64).min(logits.size()[1]);
+    let (values, ids) = logits.topk(k, -1, true, true);
+    Ok((ids.to_device(Device::Cpu), values.softmax(-1, Kind::Float).to_device(Device::Cpu)))
+}
+
+impl TeacherTop {
+    /// From [`teacher_top_k`]'s (ids, probs).
+    pub fn from_tensors(ids: &Tensor, probs: &Tensor) -> Self {
+        let k = ids.size().last().copied().unwrap_or(0) as usize;
+        let ids = Vec::<i64>::try_from(ids.flatten(0, -1)).unwrap_or_default();
+        let probs = Vec::<f32>::try_from(probs.to_kind(Kind::Float).flatten(0, -1)).unwrap_or_default();
+        Self { k, ids, probs }
+    }
+
+    /// The distribution `response[i]` was chosen from: (ids, probs), k each.
+    pub fn at(&self, i: usize) -> (&[i64], &[f32]) {
+        (&self.ids[i * self.k..(i + 1) * self.k], &self.probs[i * self.k..(i + 1) * self.k])
+    }
+}
+
 /// The `count` most frequent tokens of the rows' responses (sorted by id) and the share of response
 /// tokens they cover.
 pub(crate) fn most_frequent_response_tokens(rows: &[Row], count: usize) -> (Vec<i64>, f64) {
@@ -671,41 +803,103 @@ fn row_loss(
         anchors.push(pick as i64);
     }
     anchors.sort_unstable();
-    Some(block_loss(head, row, &anchors, config.gamma, scored))
+    Some(block_loss(head, row, &anchors, config.loss_weights(), scored))
 }
 
 /// Cross-entropy of the blocks at `anchors` (sorted): offset k predicts the token at a+k, weighted
-/// exp(−(k−1)/γ); labels past the row's end weigh nothing. The softmax runs over `scored`.
-pub fn block_loss(head: &DraftHead, row: &Row, anchors: &[i64], gamma: f64, scored: &Scored) -> Tensor {
-    let n = row.tokens.len();
+/// exp(−(k−1)/γ); labels past the row's end weigh nothing. Where the row has the target's
+/// distribution and `loss.distill` > 0, each label's term is (1 − d)·CE(greedy token) +
+/// d·CE(target's top-k). The softmax runs over `scored` (the labels and the teacher's tokens are
+/// added to a subset).
+pub fn block_loss(
+    head: &DraftHead,
+    row: &Row,
+    anchors: &[i64],
+    loss: LossWeights,
+    scored: &Scored,
+) -> Tensor {
     let tokens: Vec<i64> = anchors.iter().map(|&a| row.tokens[a as usize]).collect();
     let hidden = head.forward_train_hidden(&row.states, anchors, &tokens);
-    let block = head.block_size() as i64;
-    let (mut labels, mut weights) = (Vec::new(), Vec::new());
-    for &a in anchors {
-        for k in 1..block {
-            let position = (a + k) as usize;
-            labels.push(if position < n { row.tokens[position] } else { 0 });
-            let weight = if position < n { (-((k - 1) as f64) / gamma).exp() } else { 0.0 };
-            weights.push(weight as f32);
-        }
-    }
+    let targets = BlockTargets::of(row, anchors, head.block_size() as i64, loss);
     let device = hidden.device();
-    let (logits, labels) = match scored {
-        Scored::All => (head.logits(&hidden), labels),
+    let (logits, labels, soft_ids) = match scored {
+        Scored::All => (head.logits(&hidden), targets.labels, targets.soft_ids),
         Scored::Subset(base) => {
-            let mut ids: Vec<i64> = base.iter().chain(&labels).copied().collect();
+            let mut ids: Vec<i64> =
+                base.iter().chain(&targets.labels).chain(&targets.soft_ids).copied().collect();
             ids.sort_unstable();
             ids.dedup();
             let index = |t: &i64| ids.binary_search(t).expect("every label is scored") as i64;
-            let labels = labels.iter().map(index).collect();
-            (head.logits_over(&hidden, &glance_models::upload(&ids, device)), labels)
+            let labels = targets.labels.iter().map(index).collect();
+            let soft_ids = targets.soft_ids.iter().map(index).collect();
+            (head.logits_over(&hidden, &glance_models::upload(&ids, device)), labels, soft_ids)
         }
     };
     let vocab = logits.size()[2];
+    let logits = logits.view([-1, vocab]);
     let labels = glance_models::upload(&labels, device);
-    let weights = glance_models::upload(&weights, device);
-    cross_entropy(&logits.view([-1, vocab]), &labels, Some(&weights))
+    let weights = glance_models::upload(&targets.weights, device);
+    if targets.soft_k == 0 {
+        return cross_entropy(&logits, &labels, Some(&weights));
+    }
+    let log_probs = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let hard = log_probs.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1).neg();
+    let soft_ids = glance_models::upload(&soft_ids, device).view([-1, targets.soft_k]);
+    let soft_probs = glance_models::upload(&targets.soft_probs, device).view([-1, targets.soft_k]);
+    let soft =
+        (log_probs.gather(1, &soft_ids, false) * soft_probs).sum_dim_intlist(-1, false, Kind::Float).neg();
+    let per_label = hard * (1.0 - loss.distill) + soft * loss.distill;
+    (per_label * &weights).sum(Kind::Float) / weights.sum(Kind::Float).clamp_min(1e-9)
+}
+
+/// What the blocks at some anchors are scored against, one entry per (anchor, offset 1..B):
+/// the greedy token and its weight, and (when distilling) the target's top-k there.
+struct BlockTargets {
+    labels: Vec<i64>,
+    weights: Vec<f32>,
+    /// k of the soft labels (0: none), then (labels × k) ids and probabilities.
+    soft_k: i64,
+    soft_ids: Vec<i64>,
+    soft_probs: Vec<f32>,
+}
+
+impl BlockTargets {
+    fn of(row: &Row, anchors: &[i64], block: i64, loss: LossWeights) -> Self {
+        let n = row.tokens.len();
+        let teacher = row.teacher.as_ref().filter(|_| loss.distill > 0.0);
+        let soft_k = teacher.map_or(0, |t| t.k);
+        let mut targets = Self {
+            labels: Vec::new(),
+            weights: Vec::new(),
+            soft_k: soft_k as i64,
+            soft_ids: Vec::new(),
+            soft_probs: Vec::new(),
+        };
+        for &a in anchors {
+            for k in 1..block {
+                let position = (a + k) as usize;
+                let label = if position < n { row.tokens[position] } else { 0 };
+                let weight = if position < n { (-((k - 1) as f64) / loss.gamma).exp() } else { 0.0 };
+                targets.labels.push(label);
+                targets.weights.push(weight as f32);
+                let Some(teacher) = teacher else { continue };
+                match position.checked_sub(row.response_start).filter(|_| position < n) {
+                    Some(i) => {
+                        let (ids, probs) = teacher.at(i);
+                        targets.soft_ids.extend_from_slice(ids);
+                        targets.soft_probs.extend_from_slice(probs);
+                    }
+                    // A prompt token or past the end: the label alone (past the end weighs 0).
+                    None => {
+                        targets.soft_ids.extend(std::iter::repeat_n(label, soft_k));
+                        targets.soft_probs.push(1.0);
+                        targets.soft_probs.extend(std::iter::repeat_n(0.0, soft_k - 1));
+                    }
+                }
+            }
+        }
+        targets
+    }
 }
 
 /// Builds one training row for a prompt: the target's greedy response and the tap states.
@@ -725,6 +919,7 @@ pub fn row_for(
         tokens: inputs.input_ids.iter().chain(&response).copied().collect(),
         response_start: inputs.input_ids.len(),
         states,
+        teacher: None,
     })
 }
 

@@ -82,6 +82,7 @@ pub fn train_eagle3(config: &Eagle3TrainConfig, mut log: impl FnMut(&str)) -> Re
         taps: &taps,
         cache: base.out.join("regenerated.jsonl"),
         batch: base.regen_batch,
+        teacher_top: 0, // EAGLE-3's training-time test scores the greedy tokens only
     };
     let train_rows = builder.build(&base.data, false, base.rows)?;
     let held_out = builder.build(&base.data, true, base.held_out_rows)?;

@@ -9,7 +9,10 @@ use std::path::PathBuf;
 use drafter_svc::draft_vocab::DraftVocabChoice;
 use drafter_svc::head::{DraftHead, DraftHeadConfig};
 use drafter_svc::init::HeadSpec;
-use drafter_svc::train::{block_loss, row_for, train, DataSource, LossVocab, Row, Scored, TrainConfig};
+use drafter_svc::train::{
+    block_loss, row_for, train, DataSource, Distill, LossVocab, LossWeights, Row, Scored, TeacherTop,
+    TrainConfig,
+};
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
 use glance_models::weights::Checkpoint;
 use glance_models::TargetModel;
@@ -68,10 +71,11 @@ fn one_step_lowers_the_loss_on_a_fixed_batch() {
     let Some(dir) = target_dir() else { return };
     let (head, params, row, anchors) = fixed_batch(&dir, "step");
     let mut optimizer = AdamW::new(params, 0.0);
-    let before = block_loss(&head, &row, &anchors, 7.0, &Scored::All);
+    let before = block_loss(&head, &row, &anchors, LossWeights::hard(7.0), &Scored::All);
     before.backward();
     optimizer.step(1e-3);
-    let after = tch::no_grad(|| block_loss(&head, &row, &anchors, 7.0, &Scored::All)).double_value(&[]);
+    let after = tch::no_grad(|| block_loss(&head, &row, &anchors, LossWeights::hard(7.0), &Scored::All))
+        .double_value(&[]);
     let before = before.double_value(&[]);
     assert!(after < before, "loss {before} -> {after}");
 }
@@ -91,13 +95,99 @@ fn a_sampled_softmax_step_lowers_the_full_loss() {
     assert!(full.allclose(&over, 1e-5, 1e-5, false));
     let mut optimizer = AdamW::new(params, 0.0);
     let full_loss = |head: &DraftHead| {
-        tch::no_grad(|| block_loss(head, &row, &anchors, 7.0, &Scored::All)).double_value(&[])
+        tch::no_grad(|| block_loss(head, &row, &anchors, LossWeights::hard(7.0), &Scored::All))
+            .double_value(&[])
     };
     let before = full_loss(&head);
-    block_loss(&head, &row, &anchors, 7.0, &Scored::Subset(&subset)).backward();
+    block_loss(&head, &row, &anchors, LossWeights::hard(7.0), &Scored::Subset(&subset)).backward();
     optimizer.step(1e-3);
     let after = full_loss(&head);
     assert!(after < before, "full loss {before} -> {after}");
+}
+
+/// The target's own top-k at each response token: sorted, renormalized, led by the greedy token
+/// the response holds there (the teacher-forced pass and greedy decoding agree on the argmax).
+#[test]
+fn the_teacher_distribution_is_the_targets_own_top_k_led_by_its_greedy_token() {
+    let Some(dir) = target_dir() else { return };
+    let (_, _, row, _) = fixed_batch(&dir, "teacher");
+    let teacher = teacher_of(&dir, &row, 5);
+    let response = &row.tokens[row.response_start..];
+    assert_eq!((teacher.k, teacher.ids.len()), (5, 5 * response.len()));
+    for (i, &token) in response.iter().enumerate() {
+        let (ids, probs) = teacher.at(i);
+        assert_eq!(ids[0], token, "response token {i}");
+        assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{probs:?}");
+        assert!(probs.windows(2).all(|w| w[0] >= w[1]), "{probs:?}");
+    }
+}
+
+/// The row's teacher distribution for the tiny VLM, as `train --distill-top-k` keeps it.
+fn teacher_of(dir: &std::path::Path, row: &Row, k: usize) -> TeacherTop {
+    let target = TargetModel::load(dir, Kind::Float, Device::Cpu).unwrap();
+    let prompts = PromptBuilder::from_model_dir(dir, PromptOptions::default()).unwrap();
+    let messages =
+        vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text("Tell a story.".into())] }];
+    let inputs = prompts.build(&messages).unwrap().model_inputs();
+    assert_eq!(inputs.input_ids[..], row.tokens[..row.response_start], "the row's prompt");
+    let (ids, probs) =
+        drafter_svc::train::teacher_top_k(&target, &inputs, &row.tokens[row.response_start..], k).unwrap();
+    TeacherTop::from_tensors(&ids, &probs)
+}
+
+/// The distilled loss: a teacher certain of the greedy token changes nothing; a spread one is
+/// scored label by label against the distribution at that label's position (computed here from
+/// the full logits by hand), over the whole vocabulary and a subset alike.
+#[test]
+fn the_distilled_loss_scores_each_label_against_the_teacher_at_its_position() {
+    let Some(dir) = target_dir() else { return };
+    let (head, _, mut row, anchors) = fixed_batch(&dir, "distill");
+    let loss = |row: &Row, weights: LossWeights, scored: &Scored| {
+        tch::no_grad(|| block_loss(&head, row, &anchors, weights, scored)).double_value(&[])
+    };
+    let subset: Vec<i64> = (0..head.vocab_size()).step_by(10).collect();
+    let hard = [
+        loss(&row, LossWeights::hard(7.0), &Scored::All),
+        loss(&row, LossWeights::hard(7.0), &Scored::Subset(&subset)),
+    ];
+    let response = row.tokens[row.response_start..].to_vec();
+    let certain = TeacherTop {
+        k: 3,
+        ids: response.iter().flat_map(|&t| [t, 0, 10]).collect(), // 0 and 10 are in the subset
+        probs: response.iter().flat_map(|_| [1.0, 0.0, 0.0]).collect(),
+    };
+    row.teacher = Some(certain);
+    let distilled = LossWeights { gamma: 7.0, distill: 0.7 };
+    for (scored, hard) in [(Scored::All, hard[0]), (Scored::Subset(&subset), hard[1])] {
+        let got = loss(&row, distilled, &scored);
+        assert!((got - hard).abs() < 1e-5, "certain teacher: {got} vs {hard}");
+    }
+
+    row.teacher = Some(teacher_of(&dir, &row, 4));
+    let teacher = row.teacher.as_ref().unwrap();
+    let tokens: Vec<i64> = anchors.iter().map(|&a| row.tokens[a as usize]).collect();
+    let log_probs = tch::no_grad(|| {
+        head.logits(&head.forward_train_hidden(&row.states, &anchors, &tokens)).log_softmax(-1, Kind::Float)
+    });
+    let (mut total, mut weights) = (0.0, 0.0);
+    for (b, &a) in anchors.iter().enumerate() {
+        for k in 1..16i64 {
+            let position = (a + k) as usize;
+            if position >= row.tokens.len() {
+                continue;
+            }
+            let at = |t: i64| log_probs.double_value(&[b as i64, k - 1, t]);
+            let (ids, probs) = teacher.at(position - row.response_start);
+            let soft: f64 = ids.iter().zip(probs).map(|(&t, &p)| -(p as f64) * at(t)).sum();
+            let weight = (-((k - 1) as f64) / 7.0).exp();
+            total += weight * (0.3 * -at(row.tokens[position]) + 0.7 * soft);
+            weights += weight;
+        }
+    }
+    let expected = total / weights;
+    let got = loss(&row, distilled, &Scored::All);
+    assert!((got - expected).abs() < 1e-4, "spread teacher: {got} vs {expected} by hand");
+    assert!((got - hard[0]).abs() > 1e-3, "the soft term moved nothing");
 }
 
 #[test]
@@ -118,6 +208,7 @@ fn a_short_run_produces_a_head_that_loads_and_drafts() {
         peak_lr: 1e-3,
         warmup_ratio: 0.1,
         gamma: 7.0,
+        distill: None,
         eval_every: 10,
         checkpoint_every: 10,
         resume: false,
@@ -290,6 +381,7 @@ fn sharegpt_rows_are_regenerated_once_and_cached() {
         peak_lr: 1e-3,
         warmup_ratio: 0.1,
         gamma: 7.0,
+        distill: None,
         eval_every: 0,
         checkpoint_every: 4,
         resume: false,
@@ -345,5 +437,20 @@ fn sharegpt_rows_are_regenerated_once_and_cached() {
         }
     }
     assert!(compared > 0, "no f32 weights kept in the training state");
+
+    // Distilled: the target's top-4 at every training response token is cached beside the rows
+    // (none for the held-out rows, which only acceptance scores), and a resumed run reuses it.
+    config.out = out.join("head-distilled");
+    (config.save_kind, config.resume, config.steps) = (Kind::Float, false, 4);
+    config.distill = Some(Distill { top_k: 4, weight: 0.5 });
+    train(&config, |_| {}).unwrap();
+    let teachers = config.out.join("teacher_top4.train.safetensors");
+    let kept = Tensor::read_safetensors(&teachers).expect("the teacher distributions are cached");
+    assert_eq!(kept.len(), 2 * 4, "ids and probabilities of the 4 training rows");
+    assert!(kept.iter().all(|(_, t)| t.size()[1] == 4), "{kept:?}");
+    let modified = std::fs::metadata(&teachers).unwrap().modified().unwrap();
+    (config.resume, config.steps) = (true, 8);
+    train(&config, |_| {}).unwrap();
+    assert_eq!(std::fs::metadata(&teachers).unwrap().modified().unwrap(), modified, "recomputed");
     std::fs::remove_dir_all(out).ok();
 }
