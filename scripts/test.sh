@@ -5,5 +5,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
 scripts/setup.sh
+echo "test: set up in ${SECONDS}s"
 export GLANCE_REQUIRE_FIXTURES=1
 cargo test --release --workspace 2>&1
