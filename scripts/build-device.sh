@@ -54,9 +54,9 @@ echo "build-device: building against torch $DEVICE_TORCH (tch $DEVICE_TCH)"
   export VIRTUAL_ENV="$DEVICE_VENV" PATH="$DEVICE_VENV/bin:$PATH" CARGO_TARGET_DIR="$GLANCE_ROOT/target"
   cargo update --quiet -p tch --precise "$DEVICE_TCH"
   cargo update --quiet -p torch-sys --precise "$DEVICE_TCH"
-  cargo build --release --quiet -p verifier-svc -p drafter-svc -p glance-tests --bins
+  cargo build --release --quiet -p verifier-svc -p drafter-svc -p glance-tests --bins ${GLANCE_CARGO_TIMINGS:+--timings}
   # The test executables, listed by cargo (their names carry a hash).
-  cargo test --release --quiet -p glance-tests --no-run --message-format=json \
+  cargo test --release --quiet -p glance-tests --no-run --message-format=json ${GLANCE_CARGO_TIMINGS:+--timings} \
     $(printf -- '--test %s ' "${TESTS[@]}") 2>/dev/null \
     | "$DEVICE_VENV/bin/python" -c '
 import json, sys

@@ -58,5 +58,5 @@ fi
 scripts/setup-real-model.sh
 
 echo "setup: building (release)"
-cargo build --release --workspace --bins --quiet
+cargo build --release --workspace --bins --quiet ${GLANCE_CARGO_TIMINGS:+--timings}
 echo "setup: done"

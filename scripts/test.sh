@@ -7,4 +7,4 @@ cd "$GLANCE_ROOT"
 scripts/setup.sh
 echo "test: set up in ${SECONDS}s"
 export GLANCE_REQUIRE_FIXTURES=1
-cargo test --release --workspace 2>&1
+cargo test --release --workspace ${GLANCE_CARGO_TIMINGS:+--timings} 2>&1
