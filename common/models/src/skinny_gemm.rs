@@ -5,7 +5,9 @@
 //! bf16 matrix-vector product reaches about 10 GB/s of the ~24 a core streams, while the weight
 //! converted to f32 a block at a time for MKL (the route [`crate::layers::linear`] keeps for
 //! longer passes) reads twice the bytes and pays MKL's packing on every few-row call. MKL's own
-//! f32 GEMM is slow at 2 to 16 rows too (2048 → 2048, 4 rows: 1.10 ms against 0.51 here).
+//! f32 GEMM is slow at 2 to 16 rows too (2048 → 2048, 4 rows: 1.10 ms against 0.51 here). On CPUs
+//! with AVX512-BF16 but no AMX it beats libtorch's bf16 GEMM up to 32 rows as well (see
+//! `layers::FEW_ROWS_MAX_BESIDE_NATIVE`).
 //!
 //! Here each weight row is widened to f32 in registers (bf16: a 16-bit shift; f16: F16C) as it is
 //! streamed, once per call, and multiplied against every activation row while it sits in the
