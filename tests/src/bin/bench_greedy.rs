@@ -48,7 +48,20 @@ fn main() {
         Some(text) => {
             vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.clone())] }]
         }
-        None => Case::load(&model_dir, &args.case).chat_messages(),
+        None => {
+            let case = model_dir.join("reference").join(format!("{}.json", args.case));
+            if !case.exists() {
+                // A model without the reference cases (a real checkpoint, a text model) is asked a
+                // question instead.
+                eprintln!(
+                    "bench_greedy: {} has no reference case {}: pass --prompt TEXT",
+                    model_dir.display(),
+                    args.case
+                );
+                std::process::exit(2);
+            }
+            Case::load(&model_dir, &args.case).chat_messages()
+        }
     };
     let prompts =
         PromptBuilder::from_model_dir(&model_dir, PromptOptions::default()).expect("prompt builder");
