@@ -131,9 +131,15 @@ pub struct Case {
 }
 
 impl Case {
+    /// Where the reference case `name` of the model in `model_dir` keeps its messages and expected
+    /// values (its tensors lie beside it, `name.safetensors`).
+    pub fn json_path(model_dir: &Path, name: &str) -> PathBuf {
+        model_dir.join("reference").join(format!("{name}.json"))
+    }
+
     pub fn load(model_dir: &Path, name: &str) -> Case {
         let reference = model_dir.join("reference");
-        let text = std::fs::read_to_string(reference.join(format!("{name}.json"))).expect("case json");
+        let text = std::fs::read_to_string(Case::json_path(model_dir, name)).expect("case json");
         let mut case: Case = serde_json::from_str(&text).expect("case json parses");
         let tensors =
             Tensor::read_safetensors(reference.join(format!("{name}.safetensors"))).expect("case tensors");

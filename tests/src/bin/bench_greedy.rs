@@ -49,8 +49,7 @@ fn main() {
             vec![ChatMessage { role: "user".into(), content: vec![ContentPart::Text(text.clone())] }]
         }
         None => {
-            let case = model_dir.join("reference").join(format!("{}.json", args.case));
-            if !case.exists() {
+            if !Case::json_path(&model_dir, &args.case).exists() {
                 // A model without the reference cases (a real checkpoint, a text model) is asked a
                 // question instead.
                 eprintln!(
@@ -119,7 +118,7 @@ fn hf_rate(model_dir: &std::path::Path, args: &Args) -> f64 {
     command.arg(&script).arg("--model").arg(model_dir);
     match &args.prompt {
         Some(text) => command.args(["--prompt", text]),
-        None => command.arg("--case").arg(model_dir.join("reference").join(format!("{}.json", args.case))),
+        None => command.arg("--case").arg(Case::json_path(model_dir, &args.case)),
     };
     let dtype = if args.dtype == "bf16" { "bfloat16" } else { "float32" };
     let output = command
