@@ -92,15 +92,11 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
 /// (AVX2), the kernel beats the bf16 weight in f32 blocks at every width tried up to 128 rows (576
 /// → 3072: 16 rows 0.70 against 1.40 ms, 64 rows 3.1 against 3.8; 2048 → 12,288: 16 rows 11.8
 /// against 23.8 ms, 128 rows 85 against 89), and MKL's f32 GEMM from 2 to 16 rows (2048 → 2048: 4
-/// rows 0.51 against 1.10 ms, 16 rows 1.9 against 2.1); past a verify pass's rows (a prefill) MKL's
-/// blocked GEMM keeps the work.
+/// rows 0.51 against 1.10 ms, 16 rows 1.9 against 2.1); on one core of a Sapphire-Rapids-class
+/// Xeon without AMX its AVX-512 form beats libtorch's AVX512-BF16 GEMM at 64 rows too
+/// (Qwen3-VL-2B's layers: 798–1,017 against 1,025–1,118 ms; -8B's: 1,637–1,869 against
+/// 1,942–2,134); past a verify pass's rows (a prefill) libtorch's blocked GEMM keeps the work.
 const FEW_ROWS_MAX: i64 = 64;
-
-/// Where libtorch multiplies the half-precision dtype natively (but not with AMX,
-/// [`cpu_multiplies_few_rows`]), passes of at most this many rows take [`Route::FewRows`]: on
-/// Qwen3-VL-2B's and -8B's layers in bf16 the kernel is 15–23% faster at 16 rows, level at 32, and
-/// 8–14% slower at 64 (one core of a Sapphire-Rapids-class Xeon without AMX).
-const FEW_ROWS_MAX_BESIDE_NATIVE: i64 = 32;
 
 /// f32 matrices up to this size are kept row by row for the few-row kernel ([`gemm_layout`]):
 /// from one row up to 32 MiB it is as fast as MKL's matrix-vector product from the column layout
@@ -137,9 +133,7 @@ impl Route {
             return Route::Libtorch;
         }
         let rows = x.size().split_last().map_or(1, |(_, lead)| lead.iter().product::<i64>());
-        let few_rows_max =
-            if half_precision && cpu_multiplies(kind) { FEW_ROWS_MAX_BESIDE_NATIVE } else { FEW_ROWS_MAX };
-        if (1..=few_rows_max).contains(&rows) && few_rows_run(x, weight) {
+        if (1..=FEW_ROWS_MAX).contains(&rows) && few_rows_run(x, weight) {
             Route::FewRows
         } else if half_precision && rows > 1 && !cpu_multiplies(kind) {
             Route::F32Blocks
@@ -227,10 +221,11 @@ fn in_f32_blocks(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
 /// with AMX (Sapphire Rapids and later, with the OS's tile state enabled), whose tiles multiply a
 /// 16-row pass for about the cost of a step (1.30 steps for Qwen3-VL-2B's layers); f16 wherever
 /// it is multiplied natively ([`cpu_multiplies`]; not measured against the kernel). With
-/// AVX512-BF16 alone (Zen 4; a Sapphire Rapids whose VM hides AMX) the kernel is faster up to
-/// [`FEW_ROWS_MAX_BESIDE_NATIVE`] rows: measured on such a Xeon, one core, bf16, the kernel against
-/// libtorch's GEMM, Qwen3-VL-2B's layers (4 and the LM head): a step 89–98 against 125–131 ms, 16
-/// rows 184–191 against 217–233 ms; -8B's (2): a step 165 against 242 ms, 16 rows 333 against 433.
+/// AVX512-BF16 alone (Zen 4; a Sapphire Rapids whose VM hides AMX) the kernel is faster: measured
+/// on such a Xeon, one core, bf16, Qwen3-VL-2B's layers (4 and the LM head), libtorch's GEMM
+/// against the kernel's AVX2 form: a step 125–131 against 89–98 ms, 8 rows 217–233 against
+/// 184–191, 16 rows 330–344 against 320–369; its AVX-512 form against the AVX2 one (alternated
+/// three times): 16 rows 279–309 against 325–385 ms, 32 rows 445–520 against 604–732.
 fn cpu_multiplies_few_rows(kind: Kind) -> bool {
     match kind {
         Kind::BFloat16 => cpu_has_amx_bf16(),

@@ -1,18 +1,19 @@
 //! `x Wᵀ` for a few rows of f32 activations against a row-major weight in bf16, f16 or f32, on an
-//! x86 CPU with AVX2, FMA and F16C. It is for CPUs without matrix instructions for bf16 (an
-//! AVX2-only EPYC of the Zen 3 generation, most Intel client CPUs): there libtorch's bf16 GEMM
-//! converts its operands element by element (a 16-row pass costs about 16 one-row steps) and its
-//! bf16 matrix-vector product reaches about 10 GB/s of the ~24 a core streams, while the weight
-//! converted to f32 a block at a time for MKL (the route [`crate::layers::linear`] keeps for
-//! longer passes) reads twice the bytes and pays MKL's packing on every few-row call. MKL's own
-//! f32 GEMM is slow at 2 to 16 rows too (2048 → 2048, 4 rows: 1.10 ms against 0.51 here). On CPUs
-//! with AVX512-BF16 but no AMX it beats libtorch's bf16 GEMM up to 32 rows as well (see
-//! `layers::FEW_ROWS_MAX_BESIDE_NATIVE`).
+//! x86 CPU with AVX2, FMA and F16C (and, for bf16, AVX-512 where the CPU has it: [`avx512`]). It is
+//! for CPUs without matrix instructions for bf16 (an AVX2-only EPYC of the Zen 3 generation, most
+//! Intel client CPUs, and CPUs with AVX512-BF16 but no AMX): there libtorch's bf16 GEMM either
+//! converts its operands element by element (AVX2: a 16-row pass costs about 16 one-row steps,
+//! and its bf16 matrix-vector product reaches about 10 GB/s of the ~24 a core streams) or runs on
+//! `vdpbf16ps`, which retires half the products a second of the f32 FMA on a Sapphire-Rapids-class
+//! core. The weight converted to f32 a block at a time for MKL (the route
+//! [`crate::layers::linear`] keeps for longer passes on AVX2) reads twice the bytes and pays MKL's
+//! packing on every few-row call, and MKL's own f32 GEMM is slow at 2 to 16 rows too (2048 → 2048,
+//! 4 rows: 1.10 ms against 0.51 here).
 //!
 //! Here each weight row is widened to f32 in registers (bf16: a 16-bit shift; f16: F16C) as it is
 //! streamed, once per call, and multiplied against every activation row while it sits in the
-//! core's caches. Every output element is summed the same way whatever the number of rows (eight
-//! f32 lanes accumulated in order of the input index, the lanes added in one fixed order, then the
+//! core's caches. Every output element is summed the same way whatever the number of rows (its
+//! lanes accumulated in order of the input index, the lanes added in one fixed order, then the
 //! input's tail), so a row's result does not depend on how many rows share the call: a verify pass
 //! over n rows and a one-row step compute each row's product bit for bit alike.
 //!
@@ -23,6 +24,9 @@
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 /// A weight matrix (n, k), row-major, in a format the kernel reads: bf16 or f16 bit patterns, or
 /// f32.
@@ -56,26 +60,53 @@ pub fn available() -> bool {
     }
 }
 
-/// `out (m, n) = x (m, k) · weightᵀ`.
+/// `out (m, n) = x (m, k) · weightᵀ`, on AVX-512 where this CPU has it and the weight is bf16
+/// ([`avx512`]), else on AVX2.
 ///
 /// # Panics
 /// When the slices' lengths disagree with `m`, `k` and `n`, or [`available`] is false.
-pub fn multiply(x: &[f32], weight: WeightRows<'_>, [m, k, n]: [usize; 3], out: &mut [f32]) {
+pub fn multiply(x: &[f32], weight: WeightRows<'_>, dims: [usize; 3], out: &mut [f32]) {
+    multiply_on(x, weight, dims, out, wide_available());
+}
+
+/// Whether this CPU runs the AVX-512 kernel.
+fn wide_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`multiply`], on AVX-512 for a bf16 weight if `wide` (the CPU must have it).
+fn multiply_on(x: &[f32], weight: WeightRows<'_>, [m, k, n]: [usize; 3], out: &mut [f32], wide: bool) {
     assert_eq!(x.len(), m * k, "x is not (m, k)");
     assert_eq!(weight.len(), n * k, "the weight is not (n, k)");
     assert_eq!(out.len(), m * n, "out is not (m, n)");
     assert!(available(), "skinny_gemm::multiply needs AVX2, FMA and F16C");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has the features (asserted) and the slices have the asserted lengths, which
-    // are all the kernels read and write.
+    // SAFETY: the CPU has the features (asserted; AVX-512 where `wide`, as the callers check) and
+    // the slices have the asserted lengths, which are all the kernels read and write.
     unsafe {
-        let (x, out, s) = (x.as_ptr(), out.as_mut_ptr(), Shape { m, k, n });
+        let (xp, outp, s) = (x.as_ptr(), out.as_mut_ptr(), Shape { m, k, n });
         match weight {
-            WeightRows::BFloat16(bits) => multiply_all::<Bf16>(Operands { x, w: bits.as_ptr(), out, s }),
-            WeightRows::Float16(bits) => multiply_all::<F16>(Operands { x, w: bits.as_ptr(), out, s }),
-            WeightRows::Float32(values) => multiply_all::<F32>(Operands { x, w: values.as_ptr(), out, s }),
+            WeightRows::BFloat16(bits) if wide => avx512::multiply_bf16(x, bits, [m, k, n], out),
+            WeightRows::BFloat16(bits) => {
+                multiply_all::<Bf16>(Operands { x: xp, w: bits.as_ptr(), out: outp, s })
+            }
+            WeightRows::Float16(bits) => {
+                multiply_all::<F16>(Operands { x: xp, w: bits.as_ptr(), out: outp, s })
+            }
+            WeightRows::Float32(values) => {
+                multiply_all::<F32>(Operands { x: xp, w: values.as_ptr(), out: outp, s })
+            }
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, out, wide);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -269,6 +300,7 @@ mod tests {
     }
 
     /// A weight in each format, with its values as the kernel reads them.
+    #[derive(Clone)]
     enum Stored {
         BFloat16(Vec<u16>),
         Float16(Vec<u16>),
@@ -301,19 +333,24 @@ mod tests {
         }
     }
 
+    /// `wide` (AVX-512) or not, for each kernel this CPU runs.
+    fn kernels() -> Vec<bool> {
+        [false, true].into_iter().filter(|&wide| available() && (!wide || wide_available())).collect()
+    }
+
     #[test]
     fn every_element_is_the_dot_product_of_its_row_and_the_widened_weight_row() {
-        if !available() {
-            return;
-        }
         // Inputs with and without a tail past the eight lanes; outputs short of one block, one
         // block and a tail, several blocks; every count of rows in a group of four, and two groups.
-        for (k, n) in [(3, 5), (8, 24), (67, 53), (192, 100)] {
+        for (k, n, wide) in [(3, 5), (8, 24), (67, 53), (192, 100)]
+            .into_iter()
+            .flat_map(|(k, n)| kernels().into_iter().map(move |wide| (k, n, wide)))
+        {
             for weight in Stored::all(&values(n * k, 1)) {
                 for m in [1, 2, 3, 4, 5, 7, 9] {
                     let x = values(m * k, m);
                     let mut out = vec![f32::NAN; m * n];
-                    multiply(&x, weight.rows(), [m, k, n], &mut out);
+                    multiply_on(&x, weight.rows(), [m, k, n], &mut out, wide);
                     for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
                         let exact: f64 =
                             (0..k).map(|t| f64::from(x[i * k + t]) * weight.value(j * k + t)).sum();
@@ -321,7 +358,7 @@ mod tests {
                         let format = weight.rows();
                         assert!(
                             (got - exact).abs() <= 1e-5 * (1.0 + exact.abs()),
-                            "{m}x{k}x{n} [{i}, {j}] of {format:?}"
+                            "{m}x{k}x{n} [{i}, {j}] of {format:?}, wide {wide}"
                         );
                     }
                 }
@@ -331,18 +368,23 @@ mod tests {
 
     #[test]
     fn a_row_comes_out_bit_for_bit_alike_whatever_rows_share_the_call() {
-        if !available() {
-            return;
-        }
         let (k, n) = (100, 61);
         let x = values(16 * k, 3);
-        for weight in Stored::all(&values(n * k, 2)) {
+        for (weight, wide) in Stored::all(&values(n * k, 2))
+            .into_iter()
+            .flat_map(|weight| kernels().into_iter().map(move |wide| (weight.clone(), wide)))
+        {
             let mut pass = vec![0.0; 16 * n];
-            multiply(&x, weight.rows(), [16, k, n], &mut pass);
-            for (m, first) in [(1, 0), (3, 5), (4, 12)] {
+            multiply_on(&x, weight.rows(), [16, k, n], &mut pass, wide);
+            for (m, first) in [(1, 0), (2, 1), (3, 5), (4, 12)] {
                 let mut part = vec![0.0; m * n];
-                multiply(&x[first * k..(first + m) * k], weight.rows(), [m, k, n], &mut part);
-                assert_eq!(part, pass[first * n..(first + m) * n], "rows {first}..{}", first + m);
+                multiply_on(&x[first * k..(first + m) * k], weight.rows(), [m, k, n], &mut part, wide);
+                assert_eq!(
+                    part,
+                    pass[first * n..(first + m) * n],
+                    "rows {first}..{}, wide {wide}",
+                    first + m
+                );
             }
         }
     }
