@@ -7,10 +7,10 @@ Usage:
 
 JSON: {"hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "vocab", "dtype"
 ("float32" | "bfloat16"), "device" ("cpu" | "cuda"), "context", "rows": [n, ...], "repeats",
-"threads"}.
+"threads", and optionally "model": a checkpoint directory}.
 
 Builds a random-weight Qwen3ForCausalLM with those shapes (the text decoder of Qwen3-VL without
-M-RoPE, which costs the same), fills a DynamicCache with `context` random K/V rows, and times, as
+M-RoPE, which costs the same), or loads "model" with `AutoModelForCausalLM`, fills a DynamicCache with `context` random K/V rows, and times, as
 the best of `repeats` after one warm-up:
   step:      one new token, logits of that row, argmax read back;
   verify(n): n new tokens (causal among themselves: the tree mask costs the same), logits of all
@@ -37,6 +37,12 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E4
 
 
 def build(shape: dict) -> Qwen3ForCausalLM:
+    if shape.get("model"):
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, shape["dtype"])
+        model = AutoModelForCausalLM.from_pretrained(shape["model"], dtype=dtype, attn_implementation="sdpa")
+        return model.to(device=shape["device"]).eval()
     config = Qwen3Config(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],

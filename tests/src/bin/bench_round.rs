@@ -2,7 +2,9 @@
 //! the toy target and for random-weight targets with the real text-layer shapes of Qwen3-VL-2B and
 //! -8B (a few layers each, the full vocabulary), in f32 and bf16, at a filled context. Next to it
 //! the draft pass of a head of matching width, the tap-state bytes a round sends, and the same
-//! forward run by transformers on the same shapes in the same run (the peer).
+//! forward run by transformers on the same shapes in the same run (the peer). `--model DIR` adds
+//! a real checkpoint (any family the model library loads; SmolLM2 after `scripts/setup.sh`), its
+//! peer being transformers' own `from_pretrained` of the same directory.
 //!
 //! What is timed is the product's own code: the verifier's `greedy_step`-equivalent decode step
 //! (`decode::forward_token` + argmax, no taps: plain greedy decoding) and `speculative::verify_round`
@@ -33,8 +35,12 @@ use verifier_svc::speculative::{verify_round, RoundReads, TreeMask};
 #[derive(Parser)]
 #[command(about = "Cost shape of a round: verify(n)/step, draft/step, bytes, and the transformers peer")]
 struct Args {
-    #[arg(long, value_delimiter = ',', default_values_t = [Shape::Toy, Shape::Qwen3Vl2b, Shape::Qwen3Vl8b])]
-    shapes: Vec<Shape>,
+    /// Built shapes to time [default: toy, 2b and 8b; none with `--model`].
+    #[arg(long, value_delimiter = ',')]
+    shapes: Option<Vec<Shape>>,
+    /// A real checkpoint directory to time (after the shapes).
+    #[arg(long)]
+    model: Option<PathBuf>,
     #[arg(long, value_delimiter = ',', default_values = ["f32", "bf16"])]
     dtypes: Vec<String>,
     /// Rows of the verify pass (root + n−1 tree nodes).
@@ -97,6 +103,21 @@ impl std::fmt::Display for Shape {
     }
 }
 
+/// What a cell times: a built shape or a checkpoint from disk.
+enum Target {
+    Shape(Shape),
+    Model(PathBuf),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Shape(shape) => shape.fmt(f),
+            Target::Model(dir) => f.write_str(&dir.file_name().unwrap_or(dir.as_os_str()).to_string_lossy()),
+        }
+    }
+}
+
 /// The text-layer dimensions the bench builds (and hands the peer).
 #[derive(Clone, Debug, serde::Serialize)]
 struct Dims {
@@ -129,6 +150,8 @@ fn read_backs_per_call(calls: usize, f: impl FnOnce()) -> f64 {
 #[derive(Debug, serde::Serialize)]
 struct Cell {
     shape: String,
+    /// The checkpoint directory of a `--model` cell.
+    model: Option<PathBuf>,
     dtype: String,
     dims: Dims,
     step_ms: f64,
@@ -149,11 +172,15 @@ fn main() {
     tch::manual_seed(0);
     let device = glance_models::weights::parse_device(&args.device).expect("--device: cpu, cuda or cuda:N");
     let mut cells = Vec::new();
-    for &shape in &args.shapes {
+    let default_shapes =
+        if args.model.is_some() { vec![] } else { vec![Shape::Toy, Shape::Qwen3Vl2b, Shape::Qwen3Vl8b] };
+    let shapes = args.shapes.clone().unwrap_or(default_shapes);
+    let targets = shapes.into_iter().map(Target::Shape).chain(args.model.clone().map(Target::Model));
+    for target in targets {
         for dtype in &args.dtypes {
             let kind = glance_models::weights::parse_kind(dtype).expect("--dtypes: f32, bf16, f16");
-            eprintln!("bench_round: {shape} {dtype} ...");
-            let mut cell = measure(&args, shape, dtype, kind, device);
+            eprintln!("bench_round: {target} {dtype} ...");
+            let mut cell = measure(&args, &target, dtype, kind, device);
             if !args.no_peer {
                 peer(&args, &mut cell);
             }
@@ -194,9 +221,14 @@ fn main() {
 }
 
 /// Our side of one cell: target step, verify(n), draft pass.
-fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -> Cell {
+fn measure(args: &Args, target: &Target, dtype: &str, kind: Kind, device: Device) -> Cell {
     let _no_grad = tch::no_grad_guard();
-    let model = target(args, shape, kind, device);
+    let model = match target {
+        Target::Shape(shape) => built_target(args, *shape, kind, device),
+        Target::Model(dir) => {
+            TargetModel::load(dir, kind, device).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        }
+    };
     let c = model.text_config();
     let dims = Dims {
         hidden: c.hidden_size,
@@ -242,7 +274,11 @@ fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -
     let state_bytes_per_round =
         (args.rows_per_round * taps.len()) as i64 * dims.hidden * kind.elt_size_in_bytes() as i64;
     Cell {
-        shape: shape.to_string(),
+        shape: target.to_string(),
+        model: match target {
+            Target::Model(dir) => Some(dir.clone()),
+            Target::Shape(_) => None,
+        },
         dtype: dtype.to_string(),
         dims,
         step_ms,
@@ -257,7 +293,7 @@ fn measure(args: &Args, shape: Shape, dtype: &str, kind: Kind, device: Device) -
 
 /// The toy target from disk, or a random-weight Qwen3-VL with the shape's text layers (the toy's
 /// tiny vision tower: only the text decoder is timed).
-fn target(args: &Args, shape: Shape, kind: Kind, device: Device) -> TargetModel {
+fn built_target(args: &Args, shape: Shape, kind: Kind, device: Device) -> TargetModel {
     let (hidden, heads, inter, default_layers) = match shape {
         Shape::Toy => return TargetModel::load(&args.toy_target, kind, device).expect("load the toy target"),
         Shape::Qwen3Vl2b => (2048, 16, 6144, 4),
@@ -498,6 +534,7 @@ fn peer(args: &Args, cell: &mut Cell) {
         "intermediate": d.intermediate, "layers": d.layers, "vocab": d.vocab, "dtype": dtype,
         "device": if args.device.starts_with("cuda") { "cuda" } else { "cpu" },
         "context": args.context, "rows": args.rows, "repeats": args.repeats, "threads": args.threads,
+        "model": cell.model,
     });
     let script = glance_tests::reference_script("bench_round_peer.py");
     let output = Command::new("python").arg(&script).arg("--shape").arg(shape.to_string()).output();
