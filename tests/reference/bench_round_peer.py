@@ -10,8 +10,8 @@ JSON: {"hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "voc
 "threads", and optionally "model": a checkpoint directory}.
 
 Builds a random-weight Qwen3ForCausalLM with those shapes (the text decoder of Qwen3-VL without
-M-RoPE, which costs the same), or loads "model" with `AutoModelForCausalLM`, fills a DynamicCache with `context` random K/V rows, and times, as
-the best of `repeats` after one warm-up:
+M-RoPE, which costs the same) or loads "model" with `AutoModelForCausalLM`, fills a DynamicCache
+with `context` random K/V rows, and times, as the best of `repeats` after one warm-up:
   step:      one new token, logits of that row, argmax read back;
   verify(n): n new tokens (causal among themselves: the tree mask costs the same), logits of all
              n rows, the n argmaxes read back;
@@ -41,7 +41,9 @@ def build(shape: dict) -> Qwen3ForCausalLM:
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, shape["dtype"])
-        model = AutoModelForCausalLM.from_pretrained(shape["model"], dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            shape["model"], dtype=dtype, attn_implementation="sdpa"
+        )
         return model.to(device=shape["device"]).eval()
     config = Qwen3Config(
         vocab_size=shape["vocab"],
