@@ -7,6 +7,7 @@ use glance_models::{LogitRows, TargetModel};
 use glance_proto::v1 as pb;
 use glance_spec::law::{self, Form, Round};
 use serde_json::json;
+use std::path::Path;
 
 /// One compared decoding mode: its report name, the wire mode, the tree budget (0: default), the
 /// service pair that serves it (0: the benchmark's main verifier and block-head drafter) and the
@@ -62,11 +63,38 @@ pub struct Divergence {
     /// The first generated step that differs.
     pub step: usize,
     pub margin: Option<f64>,
+    /// The same margin computed in f32 on the same tokens, for a half-precision run: how near a
+    /// tie the two candidates are before bf16 rounds them.
+    pub f32_margin: Option<f64>,
 }
 
 impl Divergence {
     pub fn json(&self) -> serde_json::Value {
-        json!({"prompt": self.prompt, "mode": self.mode, "step": self.step, "top2_margin": self.margin})
+        json!({"prompt": self.prompt, "mode": self.mode, "step": self.step, "top2_margin": self.margin,
+               "f32_top2_margin": self.f32_margin})
+    }
+}
+
+/// The target in a run's dtype, and in f32 beside it for a half-precision run: the top-2 margins
+/// at a divergence, both on the services' libtorch thread count (with more threads a short
+/// half-precision pass leaves the few-row kernel for libtorch's GEMM, which rounds otherwise).
+pub struct MarginProbe {
+    model: TargetModel,
+    in_f32: Option<TargetModel>,
+}
+
+impl MarginProbe {
+    pub fn load(dir: &Path, kind: tch::Kind, device: tch::Device, threads: u32) -> Self {
+        tch::set_num_threads(threads as i32);
+        let load = |kind| TargetModel::load(dir, kind, device).expect("the target loads");
+        let in_f32 = (kind != tch::Kind::Float).then(|| load(tch::Kind::Float));
+        MarginProbe { model: load(kind), in_f32 }
+    }
+
+    /// The margins (run dtype, f32) after the prompt and `prefix`.
+    pub fn at(&self, inputs: &ModelInputs, prefix: &[u32]) -> (f64, Option<f64>) {
+        let in_f32 = self.in_f32.as_ref().map(|model| top2_margin(model, inputs, prefix));
+        (top2_margin(&self.model, inputs, prefix), in_f32)
     }
 }
 
@@ -100,7 +128,17 @@ pub fn divergence_section(divergences: &[Divergence]) -> String {
     );
     for d in divergences {
         let margin = d.margin.map_or("sampled".to_string(), |m| format!("margin {m:.4}"));
-        md += &format!("- prompt {} {}: step {}, {margin}\n", d.prompt, d.mode, d.step);
+        let in_f32 = d.f32_margin.map_or(String::new(), |m| format!(" (f32 {m:.4})"));
+        md += &format!("- prompt {} {}: step {}, {margin}{in_f32}\n", d.prompt, d.mode, d.step);
+    }
+    let largest =
+        |margin: fn(&Divergence) -> Option<f64>| divergences.iter().filter_map(margin).reduce(f64::max);
+    if let Some(run) = largest(|d| d.margin) {
+        md += &format!("\nLargest top-2 margin at a divergence: {run:.4}");
+        if let Some(in_f32) = largest(|d| d.f32_margin) {
+            md += &format!("; computed in f32 on the same tokens, the largest is {in_f32:.4}");
+        }
+        md += ".\n";
     }
     md
 }

@@ -28,9 +28,10 @@ pub struct ServiceArgs {
     /// `f16` or `auto`). A drafter's precision changes its trees, never the output.
     #[arg(long)]
     pub drafter_dtype: Option<String>,
-    /// libtorch threads of each service (OMP_NUM_THREADS; also bench_chat's peer). On a 2-core
-    /// machine one each keeps the verifier's and the drafter's thread pools from spinning against
-    /// each other, as if each service had its own device (as in production).
+    /// libtorch threads of each service (OMP_NUM_THREADS; also bench_chat's peer and the margin
+    /// pass at divergences). On a 2-core machine one each keeps the verifier's and the drafter's
+    /// thread pools from spinning against each other, as if each service had its own device (as
+    /// in production).
     #[arg(long, default_value_t = 1)]
     pub threads_per_service: u32,
     /// Which tokens the block head's drafter scores (drafter-svc `--draft-vocab`): `auto`, the

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use glance_input::{ChatMessage, ContentPart, PromptBuilder, PromptOptions};
-use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_spec::law::Round;
 use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
@@ -155,8 +154,8 @@ fn write_report(prefix: &str, json: &serde_json::Value, md: &str) {
 }
 
 /// The target's top-2 logit margin at each divergence, from one teacher-forced pass over the
-/// prompt and the autoregressive tokens before the step (in the benchmark's dtype); none when
-/// sampling.
+/// prompt and the autoregressive tokens before the step (in the benchmark's dtype, and in f32
+/// beside it for a bf16 run); none when sampling.
 fn margins(
     args: &Args,
     prompts: &[String],
@@ -169,6 +168,7 @@ fn margins(
             mode,
             step,
             margin: None,
+            f32_margin: None,
         };
         return diverged.into_iter().map(unmeasured).collect();
     }
@@ -176,14 +176,14 @@ fn margins(
         return Vec::new();
     }
     let kind = glance_models::weights::parse_kind(&args.services.dtype).expect("--dtype: f32 or bf16");
-    let model = TargetModel::load(&args.model, kind, Device::Cpu).expect("the model loads");
+    let probe = bench::MarginProbe::load(&args.model, kind, Device::Cpu, args.services.threads_per_service);
     let builder = PromptBuilder::from_model_dir(&args.model, PromptOptions::default()).expect("prompts");
     diverged
         .into_iter()
         .map(|(prompt, mode, step)| {
             let inputs = builder.build(&user(&prompts[prompt])).expect("prompt").model_inputs();
-            let margin = Some(bench::top2_margin(&model, &inputs, &ar[prompt][..step]));
-            Divergence { prompt: prompt.to_string(), mode, step, margin }
+            let (margin, f32_margin) = probe.at(&inputs, &ar[prompt][..step]);
+            Divergence { prompt: prompt.to_string(), mode, step, margin: Some(margin), f32_margin }
         })
         .collect()
 }

@@ -13,7 +13,6 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use glance_input::{PromptBuilder, PromptOptions};
-use glance_models::TargetModel;
 use glance_proto::v1 as pb;
 use glance_spec::law::Round;
 use glance_tests::bench::{self, Cell, Divergence, Mode, Sampling};
@@ -216,25 +215,28 @@ fn representative(mut responses: Vec<pb::GenerateResponse>, reference: &[u32]) -
 /// autoregressive tokens before the step, the mode and the step.
 type Diverged = (String, Vec<glance_input::ChatMessage>, Vec<u32>, String, usize);
 
-/// The target's top-2 margin at each divergence of a greedy run, in the run's dtype, on the tests'
-/// device (`GLANCE_TEST_DEVICE`); a sampled run's divergences have none.
+/// The target's top-2 margin at each divergence of a greedy run, in the run's dtype (and in f32
+/// beside it for a half-precision run), on the tests' device (`GLANCE_TEST_DEVICE`); a sampled
+/// run's divergences have none.
 fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Divergence> {
     if !sampling.is_greedy() {
-        let unmeasured = |(prompt, _, _, mode, step)| Divergence { prompt, mode, step, margin: None };
+        let unmeasured =
+            |(prompt, _, _, mode, step)| Divergence { prompt, mode, step, margin: None, f32_margin: None };
         return diverged.into_iter().map(unmeasured).collect();
     }
     if diverged.is_empty() {
         return Vec::new();
     }
     let kind = glance_models::weights::parse_kind(&args.services.dtype).expect("--dtype: f32, bf16 or f16");
-    let model = TargetModel::load(&args.target, kind, glance_tests::test_device()).expect("the target loads");
+    let threads = args.services.threads_per_service;
+    let probe = bench::MarginProbe::load(&args.target, kind, glance_tests::test_device(), threads);
     let builder = PromptBuilder::from_model_dir(&args.target, PromptOptions::default()).expect("prompts");
     diverged
         .into_iter()
         .map(|(prompt, messages, prefix, mode, step)| {
             let inputs = builder.build(&messages).expect("prompt").model_inputs();
-            let margin = Some(bench::top2_margin(&model, &inputs, &prefix));
-            Divergence { prompt, mode, step, margin }
+            let (margin, f32_margin) = probe.at(&inputs, &prefix);
+            Divergence { prompt, mode, step, margin: Some(margin), f32_margin }
         })
         .collect()
 }
