@@ -64,11 +64,16 @@ pub struct Divergence {
     pub step: usize,
     pub margin: Option<f64>,
     /// The same margin computed in f32 on the same tokens, for a half-precision run: how near a
-    /// tie the two candidates are before bf16 rounds them.
+    /// tie the two candidates are before half precision rounds them.
     pub f32_margin: Option<f64>,
 }
 
 impl Divergence {
+    /// A sampled run's divergence: its token is a draw, so it has no margin.
+    pub fn sampled(prompt: String, mode: String, step: usize) -> Self {
+        Divergence { prompt, mode, step, margin: None, f32_margin: None }
+    }
+
     pub fn json(&self) -> serde_json::Value {
         json!({"prompt": self.prompt, "mode": self.mode, "step": self.step, "top2_margin": self.margin,
                "f32_top2_margin": self.f32_margin})
@@ -91,10 +96,17 @@ impl MarginProbe {
         MarginProbe { model: load(kind), in_f32 }
     }
 
-    /// The margins (run dtype, f32) after the prompt and `prefix`.
-    pub fn at(&self, inputs: &ModelInputs, prefix: &[u32]) -> (f64, Option<f64>) {
-        let in_f32 = self.in_f32.as_ref().map(|model| top2_margin(model, inputs, prefix));
-        (top2_margin(&self.model, inputs, prefix), in_f32)
+    /// The divergence of `mode` at `step`, with its margins after the prompt and `prefix` (the
+    /// autoregressive tokens before the step).
+    pub fn divergence(
+        &self,
+        (prompt, mode, step): (String, String, usize),
+        inputs: &ModelInputs,
+        prefix: &[u32],
+    ) -> Divergence {
+        let margin = Some(top2_margin(&self.model, inputs, prefix));
+        let f32_margin = self.in_f32.as_ref().map(|model| top2_margin(model, inputs, prefix));
+        Divergence { prompt, mode, step, margin, f32_margin }
     }
 }
 

@@ -163,14 +163,10 @@ fn margins(
     diverged: Vec<(usize, String, usize)>,
 ) -> Vec<Divergence> {
     if args.temperature > 0.0 {
-        let unmeasured = |(prompt, mode, step): (usize, String, usize)| Divergence {
-            prompt: prompt.to_string(),
-            mode,
-            step,
-            margin: None,
-            f32_margin: None,
+        let sampled = |(prompt, mode, step): (usize, String, usize)| {
+            Divergence::sampled(prompt.to_string(), mode, step)
         };
-        return diverged.into_iter().map(unmeasured).collect();
+        return diverged.into_iter().map(sampled).collect();
     }
     if diverged.is_empty() {
         return Vec::new();
@@ -182,8 +178,7 @@ fn margins(
         .into_iter()
         .map(|(prompt, mode, step)| {
             let inputs = builder.build(&user(&prompts[prompt])).expect("prompt").model_inputs();
-            let (margin, f32_margin) = probe.at(&inputs, &ar[prompt][..step]);
-            Divergence { prompt: prompt.to_string(), mode, step, margin: Some(margin), f32_margin }
+            probe.divergence((prompt.to_string(), mode, step), &inputs, &ar[prompt][..step])
         })
         .collect()
 }

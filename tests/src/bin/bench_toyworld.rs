@@ -220,9 +220,8 @@ type Diverged = (String, Vec<glance_input::ChatMessage>, Vec<u32>, String, usize
 /// run's divergences have none.
 fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Divergence> {
     if !sampling.is_greedy() {
-        let unmeasured =
-            |(prompt, _, _, mode, step)| Divergence { prompt, mode, step, margin: None, f32_margin: None };
-        return diverged.into_iter().map(unmeasured).collect();
+        let sampled = |(prompt, _, _, mode, step)| Divergence::sampled(prompt, mode, step);
+        return diverged.into_iter().map(sampled).collect();
     }
     if diverged.is_empty() {
         return Vec::new();
@@ -235,8 +234,7 @@ fn margins(args: &Args, diverged: Vec<Diverged>, sampling: Sampling) -> Vec<Dive
         .into_iter()
         .map(|(prompt, messages, prefix, mode, step)| {
             let inputs = builder.build(&messages).expect("prompt").model_inputs();
-            let (margin, f32_margin) = probe.at(&inputs, &prefix);
-            Divergence { prompt, mode, step, margin: Some(margin), f32_margin }
+            probe.divergence((prompt, mode, step), &inputs, &prefix)
         })
         .collect()
 }
